@@ -1,0 +1,187 @@
+"""LLMEngine: owns the scheduler, the model runner and the output processor; one `step()` at a time."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.engine.kv_cache_manager import KVCacheManager
+from specserve.engine.output_processor import OutputProcessor
+from specserve.engine.outputs import RequestOutput
+from specserve.engine.request import Request, RequestStatus
+from specserve.engine.scheduler import Scheduler, SchedulerConfig
+from specserve.models.loader import load_model_weights
+from specserve.models.registry import build_model
+from specserve.sampling_params import SamplingParams
+from specserve.tokenizer import load_tokenizer
+from specserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineMetrics:
+    """Engine-wide counters since start (speculation adds its own in get_metrics)."""
+
+    num_requests_finished: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        loaded = load_model_weights(config.model, dtype=config.torch_dtype)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.model = build_model(loaded.config, loaded.state_dict, dtype=config.torch_dtype)
+        self.hf_config = loaded.config
+        self.max_model_len = self._max_model_len()
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len), self.kv_cache_manager)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, set(self.eos_token_ids),
+                                  self.model.config.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics()
+
+    # ---- sizing -------------------------------------------------------------------------
+    def _max_model_len(self) -> int:
+        limit = self.model.config.max_position_embeddings
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        return self.config.max_model_len
+
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.model.config
+        itemsize = torch.empty((), dtype=self.model.dtype).element_size()
+        return 2 * cfg.num_hidden_layers * self.config.block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
+    def _num_kv_blocks(self) -> int:
+        per_block = self.kv_bytes_per_block()
+        num_blocks = self.config.num_kv_blocks or self.config.kv_cache_memory_bytes // per_block
+        needed = -(-self.max_model_len // self.config.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * self.config.block_size} tokens but one sequence of "
+                f"max_model_len={self.max_model_len} needs {needed * per_block / 2**20:.1f} MiB "
+                f"({needed} blocks); raise kv_cache_memory_bytes or lower max_model_len")
+        return num_blocks
+
+    # ---- requests -----------------------------------------------------------------------
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """prompt: a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; raises ValueError (and leaves the engine untouched) if it cannot run."""
+        params = params or SamplingParams()
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        self._validate_prompt(ids)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        children = self._child_params(request_id, params)
+        self.output_processor.add_request(request_id, text, ids, children, arrival_time)
+        for child_id, child_params in children:
+            self.scheduler.add_request(Request(child_id, ids, child_params, self.eos_token_ids, arrival_time))
+        self.metrics.num_prompt_tokens += len(ids)
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens long; max_model_len is {self.max_model_len} "
+                             "(the prompt plus at least one generated token must fit)")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[0]}")
+
+    @staticmethod
+    def _child_params(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+        """n > 1 fans out into n sequences; seeded ones get seed + index so they differ."""
+        if params.n == 1:
+            return [(request_id, params)]
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            children.append((f"{request_id}#{i}", replace(params, n=1, seed=seed)))
+        return children
+
+    def abort_request(self, request_ids) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if not self.output_processor.has_request(rid):
+                continue
+            self.scheduler.finish_requests(self.output_processor.child_ids(rid), RequestStatus.FINISHED_ABORTED)
+            self.output_processor.abort(rid)
+            self.output_processor.make_output(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        out = self.runner.execute_model(sched)
+        running = {rid: self.scheduler.requests[rid] for rid in sched.req_ids}
+        finished = self.scheduler.update_from_output(sched, out.sampled_token_ids, out.spec_token_ids)
+        self._count(finished, sum(len(t) for t in out.sampled_token_ids.values()))
+        return self._make_outputs(running, out.logprobs)
+
+    def _make_outputs(self, running: dict[str, Request], logprobs) -> list[RequestOutput]:
+        now = time.time()
+        touched: dict[str, None] = {}
+        stopped = []
+        for rid, request in running.items():
+            parent = self.output_processor.parent_of(rid)
+            if parent is None or (not request.output_token_ids and not request.is_finished):
+                continue
+            if self.output_processor.process(request, logprobs.get(rid), now) is not None:
+                stopped.append(rid)
+            touched[parent] = None
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return [self.output_processor.make_output(p) for p in touched]
+
+    def _count(self, finished: list[Request], num_generated: int) -> None:
+        m = self.metrics
+        m.num_generation_tokens += num_generated
+        m.num_requests_finished += len(finished)
+        m.num_preemptions = self.scheduler.num_preemptions
+        m.prefix_cache_queries = self.kv_cache_manager.stats.queries
+        m.prefix_cache_hits = self.kv_cache_manager.stats.hits
+
+    def get_metrics(self) -> EngineMetrics:
+        return self.metrics

@@ -1,0 +1,211 @@
+"""Paged KV-cache bookkeeping: a block pool with a free list, reference counts and a prefix cache.
+
+Pure Python (no torch). The runner owns the tensors; this module only decides which block ids a
+request's tokens live in. A token at absolute index i of request r lives in slot
+`block_ids(r)[i // block_size] * block_size + i % block_size`.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from specserve.engine.request import Request
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash chain link: a block's identity is its tokens plus everything before it."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockPool:
+    """All KV blocks; unreferenced blocks sit in an LRU free queue and stay cached until reused."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.enable_caching = enable_caching
+        # Ordered oldest-freed first: allocation takes from the front, so the LRU cached block goes first.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, KVCacheBlock] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on (cache-hit) blocks, pulling free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > len(self.free_queue):
+            raise RuntimeError(f"asked for {num_blocks} blocks, only {len(self.free_queue)} free")
+        out = []
+        for _ in range(num_blocks):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def free(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference per block; `blocks` is in eviction order (first freed, first reused)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = None
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+        if block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block is already cached; this one stays private
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            self._evict(block)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Maps requests to blocks; prefix caching by a hash chain over full, verified blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend the request's hash chain to cover the full blocks among its first num_tokens tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        for i in range(len(hashes), min(num_tokens, len(tokens)) // bs):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs])))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks; at least one token is always left to compute."""
+        if not self.enable_caching:
+            return [], 0
+        max_hit_tokens = request.num_tokens - 1
+        self._update_block_hashes(request, max_hit_tokens)
+        blocks = []
+        for block_hash in request.block_hashes[: max_hit_tokens // self.block_size]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_hit = len(blocks) * self.block_size
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_hit
+        return blocks, num_hit
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] = (),
+        num_draft_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+    ) -> list[int] | None:
+        """Reserve blocks for num_new_tokens more tokens (+ lookahead); None if there is no room.
+
+        Returns the ids of the newly allocated blocks. The prefix cache commits only full blocks of
+        verified tokens: the last num_draft_tokens of the new tokens are drafts and are never cached.
+        """
+        bs = self.block_size
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
+        num_required = -(-(num_computed + num_new_tokens + num_lookahead_tokens) // bs)
+        num_needed = num_required - len(blocks) - len(new_computed_blocks)
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return None
+        self.pool.touch(list(new_computed_blocks))
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.allocate(max(num_needed, 0))
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_verified_blocks(request, num_computed + num_new_tokens - num_draft_tokens)
+        return [b.block_id for b in new_blocks]
+
+    def _cache_verified_blocks(self, request: Request, num_verified_tokens: int) -> None:
+        rid = request.request_id
+        num_full = min(num_verified_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request, num_full * self.block_size)
+        blocks = self.req_blocks[rid]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release a finished or preempted request's blocks; its tail blocks are reused first."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(list(reversed(blocks)))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()

@@ -1,0 +1,282 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, drafts, preemption by recompute.
+
+Pure Python (no torch). Every running request gets `num_tokens_with_spec - num_computed_tokens` new
+tokens, capped by the step's token budget; a prefill therefore chunks itself, and drafts from the
+previous step are just more tokens to schedule. FCFS; out of blocks, the newest running request is
+preempted and recomputed later. No request is ever dropped or duplicated.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve.engine.kv_cache_manager import KVCacheManager
+from specserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    # Extra slots reserved per request for drafters that write their own KV ahead of the target.
+    num_lookahead_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (its state is rebuilt)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: Any
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only the blocks added this step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # Requests in the order the runner lays them out in the flattened batch.
+    req_ids: list[str]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Drafts (from the previous step) to verify this step; a subset of each request's drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens < 1:
+            raise ValueError("prompt must contain at least one token")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
+                f"{self.config.max_model_len}, leaving no room to generate")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        """Finish (abort, or stop on a stop string) requests from outside the step loop."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        new_blocks: dict[str, list[int]] = {}
+        resumed: list[Request] = []
+        preempted: set[str] = set()
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.request_id in preempted:
+                continue
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                continue
+            num_draft = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+            block_ids = self._allocate_or_preempt(request, num_new, num_draft, preempted)
+            if block_ids is None:
+                continue  # the request itself was preempted
+            num_scheduled[request.request_id] = num_new
+            new_blocks[request.request_id] = block_ids
+            if num_draft:
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_draft]
+            budget -= num_new
+
+        if not preempted:
+            budget = self._schedule_waiting(budget, num_scheduled, new_blocks, resumed)
+        return self._make_output(num_scheduled, spec_tokens, new_blocks, resumed, preempted)
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens_with_spec - request.num_computed_tokens
+        # Never compute KV for a position >= max_model_len: drop drafts that would.
+        num_new = min(num_new, budget, self.config.max_model_len - 1 - request.num_computed_tokens)
+        return max(num_new, 0)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, num_draft: int,
+                             preempted: set[str]) -> list[int] | None:
+        while True:
+            block_ids = self.kv.allocate_slots(
+                request, num_new, num_draft_tokens=num_draft,
+                num_lookahead_tokens=self.config.num_lookahead_tokens)
+            if block_ids is not None:
+                return block_ids
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
+                          new_blocks: dict[str, list[int]], resumed: list[Request]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            block_ids = self.kv.allocate_slots(request, num_new, computed_blocks,
+                                               num_lookahead_tokens=self.config.num_lookahead_tokens)
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            resumed.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _make_output(self, num_scheduled, spec_tokens, new_blocks, resumed, preempted) -> SchedulerOutput:
+        resumed_ids = {r.request_id for r in resumed}
+        new_reqs = [
+            NewRequestData(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
+                           self.kv.get_block_ids(r.request_id), r.num_computed_tokens)
+            for r in resumed
+        ]
+        cached_reqs = [
+            CachedRequestData(rid, new_blocks[rid], self.requests[rid].num_computed_tokens)
+            for rid in num_scheduled if rid not in resumed_ids
+        ]
+        req_ids = list(num_scheduled)
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            req_ids=req_ids,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=spec_tokens,
+            finished_req_ids=self.finished_req_ids | preempted,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        # Advance progress now; update_from_output rolls back rejected drafts.
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
+
+    def update_from_output(self, sched: SchedulerOutput, sampled_token_ids: dict[str, list[int]],
+                           draft_token_ids: dict[str, list[int]] | None = None) -> list[Request]:
+        """Append accepted tokens, roll back rejected drafts, check stops; return finished requests."""
+        finished = []
+        for rid in sched.req_ids:
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            generated = sampled_token_ids.get(rid, [])
+            drafts = sched.scheduled_spec_decode_tokens.get(rid)
+            request.spec_token_ids = []
+            if drafts:
+                num_rejected = len(drafts) + 1 - len(generated)
+                request.num_computed_tokens -= num_rejected
+                request.spec_stats.record(len(drafts), len(generated) - 1)
+            for token_id in generated:
+                request.append_output_token(token_id)
+                if self._check_stop(request, token_id):
+                    break
+            if request.is_finished:
+                self.running.remove(request)
+                self._free(request)
+                finished.append(request)
+            elif draft_token_ids and draft_token_ids.get(rid):
+                request.spec_token_ids = self._trim_drafts(request, draft_token_ids[rid])
+        return finished
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Length first, then stop tokens (vLLM's order); min_tokens holds back EOS and stop ids."""
+        num_out = request.num_output_tokens
+        if request.num_tokens >= self.config.max_model_len or (
+                request.max_tokens is not None and num_out >= request.max_tokens):
+            request.status = RequestStatus.FINISHED_LENGTH
+        elif num_out < request.min_tokens:
+            return False
+        elif token_id in request.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token_id
+        elif not request.ignore_eos and token_id in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+        return request.is_finished
+
+    def _trim_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """Drafts beyond max_tokens or max_model_len could never be emitted."""
+        room = self.config.max_model_len - request.num_tokens
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens)
+        return list(drafts[:max(room - 1, 0)])

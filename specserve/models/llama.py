@@ -1,0 +1,164 @@
+"""Llama-family decoder: Llama, Mistral, Qwen2 (QKV bias), Qwen3 (q/k RMSNorm), SmolLM2.
+
+Inference only, over a flattened batch of tokens with a paged KV cache. Weights use transformers'
+parameter names; q/k/v and gate/up are fused on load so each layer runs few, wide matmuls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.models.rope import RotaryEmbedding, apply_rotary, rope_parameters
+from specserve.worker.attention import AttentionMetadata, paged_attention
+
+
+@dataclass
+class DecoderConfig:
+    """The fields of a transformers config.json the decoder needs, checked once."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DecoderConfig":
+        model_type = cfg.get("model_type", "llama")
+        heads = cfg["num_attention_heads"]
+        theta, scaling = rope_parameters(cfg)
+        return cls(
+            model_type=model_type,
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
+            qk_norm=model_type == "qwen3",
+            hidden_act=cfg.get("hidden_act", "silu"),
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The linear-layer implementation used for every projection (the fastest measured on the host)."""
+    from specserve.models.linear import FastLinear
+
+    return FastLinear(weight, bias)
+
+
+class DecoderLayer:
+    def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        w = lambda name: weights[prefix + name]  # noqa: E731
+        b = lambda name: weights.get(prefix + name)  # noqa: E731
+        self.cfg = cfg
+        qkv_bias = None
+        if cfg.attention_bias:
+            qkv_bias = torch.cat([b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"), b("self_attn.v_proj.bias")])
+        self.qkv = make_linear(
+            torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
+            qkv_bias)
+        self.o_proj = make_linear(w("self_attn.o_proj.weight"), b("self_attn.o_proj.bias"))
+        self.gate_up = make_linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
+        self.down = make_linear(w("mlp.down_proj.weight"))
+        self.input_norm = w("input_layernorm.weight")
+        self.post_norm = w("post_attention_layernorm.weight")
+        self.q_norm = b("self_attn.q_norm.weight")
+        self.k_norm = b("self_attn.k_norm.weight")
+        self.q_size = cfg.num_attention_heads * cfg.head_dim
+        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        """x: [N, hidden] (this layer's input before its norm); returns (output, residual)."""
+        cfg = self.cfg
+        residual = x if residual is None else x + residual
+        h = rms_norm(residual, self.input_norm, cfg.rms_norm_eps)
+        qkv = self.qkv(h)
+        n = qkv.shape[0]
+        q = qkv[:, : self.q_size].view(n, cfg.num_attention_heads, cfg.head_dim)
+        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(n, cfg.num_key_value_heads, cfg.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, cfg.num_key_value_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        attn = paged_attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
+        residual = self.o_proj(attn) + residual
+        h = rms_norm(residual, self.post_norm, cfg.rms_norm_eps)
+        gate_up = self.gate_up(h)
+        inter = gate_up.shape[-1] // 2
+        return self.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:]), residual
+
+
+class LlamaForCausalLM:
+    """The decoder plus its LM head; `forward` returns final hidden states, `compute_logits` the logits."""
+
+    def __init__(self, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 aux_hidden_layers: tuple[int, ...] = ()) -> None:
+        cfg = DecoderConfig.from_hf(hf_config)
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (supported: silu)")
+        self.config = cfg
+        self.dtype = dtype
+        self.embed_tokens = weights["model.embed_tokens.weight"]
+        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
+        self.norm = weights["model.norm.weight"]
+        lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights.get("lm_head.weight", self.embed_tokens)
+        self.lm_head = make_linear(lm_head)
+        self.rotary = self._make_rotary(cfg, dtype)
+        # Layers whose outputs EAGLE-3 reads; empty means no aux hidden states.
+        self.aux_hidden_layers = tuple(aux_hidden_layers)
+
+    def _make_rotary(self, cfg: DecoderConfig, dtype: torch.dtype) -> RotaryEmbedding:
+        return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """input_ids: [N]; positions: [N] (or [3, N] for M-RoPE); returns (hidden [N, hidden], aux or None)."""
+        x = self.embed_tokens[input_ids]
+        cos, sin = self.rotary.cos_sin(positions)
+        residual = None
+        aux = [] if self.aux_hidden_layers else None
+        for i, layer in enumerate(self.layers):
+            if aux is not None and i in self.aux_hidden_layers:
+                aux.append(x if residual is None else x + residual)
+            x, residual = layer.forward(x, residual, cos, sin, kv_caches[i], meta)
+        return rms_norm(x + residual, self.norm, self.config.rms_norm_eps), aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [M, hidden] → logits [M, vocab] (float32)."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,39 @@
+"""Tiny random transformers models built in memory, the reference for logits parity tests."""
+from __future__ import annotations
+
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=160, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def tiny_hf_model(kind: str, tie: bool = False, **overrides):
+    """A random transformers causal LM of the given family ("llama", "qwen2", "qwen3", "mistral")."""
+    import transformers
+
+    cls_cfg, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[kind]
+    kwargs = dict(TINY, tie_word_embeddings=tie, **overrides)
+    if kind == "qwen3":
+        kwargs.setdefault("head_dim", 32)
+    torch.manual_seed(1234)
+    config = cls_cfg(**kwargs)
+    model = cls_model(config).eval().float()
+    # Random init leaves some weights at exactly 0/1 (norms): perturb so every path is exercised.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def hf_config_dict(model) -> dict:
+    return model.config.to_dict()
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

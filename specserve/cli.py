@@ -1,0 +1,156 @@
+"""Command line: `specserve generate | chat | bench`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--num-speculative-tokens", type=int, default=None)
+
+
+def engine_kwargs(args) -> dict:
+    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching, speculative_config=args.speculative_config)
+
+
+def sampling_params(args):
+    from specserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, stop=args.stop,
+        ignore_eos=args.ignore_eos, num_speculative_tokens=args.num_speculative_tokens)
+
+
+def cmd_generate(args) -> int:
+    from specserve.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    start = time.perf_counter()
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    elapsed = time.perf_counter() - start
+    if out.error:
+        print(f"error: {out.error}", file=sys.stderr)
+        return 1
+    print(out.outputs[0].text)
+    print(format_stats(out, elapsed), file=sys.stderr)
+    return 0
+
+
+def format_stats(out, elapsed: float) -> str:
+    m = out.metrics
+    n = len(out.outputs[0].token_ids)
+    ttft = (m.first_token_time - m.arrival_time) if m.first_token_time else float("nan")
+    line = (f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s end to end, "
+            f"time to first token {ttft * 1000:.0f} ms")
+    if m.last_token_time and m.first_token_time and n > 1 and m.last_token_time > m.first_token_time:
+        line += f", decode {(n - 1) / (m.last_token_time - m.first_token_time):.1f} tok/s"
+    if m.num_drafts:
+        line += (f"; speculation: {m.num_drafts} drafts, {m.num_draft_tokens} draft tokens, "
+                 f"{m.num_accepted_tokens} accepted ({m.num_accepted_tokens / m.num_draft_tokens:.0%}), "
+                 f"mean acceptance length {m.mean_acceptance_length:.2f}")
+    return line + "]"
+
+
+def cmd_chat(args) -> int:
+    from specserve.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    engine = llm.llm_engine
+    params = sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("specserve chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    for turn in range(10 ** 9):
+        try:
+            user = input("> ").strip()
+        except EOFError:
+            break
+        if not user:
+            break
+        messages.append({"role": "user", "content": user})
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        reply = _stream(engine, f"chat-{turn}", {"prompt": prompt, "prompt_token_ids": ids}, params)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def _stream(engine, request_id: str, prompt, params) -> str:
+    """Print text as it is generated; returns the whole reply."""
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    printed, out = "", None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    print()
+    if out is not None:
+        print(format_stats(out, time.perf_counter() - start), file=sys.stderr)
+    return printed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="Speculative-decoding LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat, streamed")
+    chat.add_argument("--system", default=None, help="system message")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    from specserve.bench import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

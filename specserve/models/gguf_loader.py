@@ -1,0 +1,311 @@
+"""Turns a GGUF checkpoint into a Hugging Face-style config dict and state dict.
+
+Dequantizing takes seconds, so the converted float32 weights are cached as safetensors, keyed by
+the GGUF file's path, size and mtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from specserve.models.loader import ModelLoadError, check_state_dict
+
+logger = logging.getLogger(__name__)
+
+# Bump when the conversion changes, so stale caches are not reused.
+_CACHE_VERSION = 1
+
+# GGUF `general.architecture` -> Hugging Face `architectures[0]`.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+_LAYER_TENSOR_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+# ---------------------------------------------------------------- reading the file
+
+
+def open_gguf(path: str):
+    """A `gguf.GGUFReader` on `path`, or a ModelLoadError naming the file if it is not a whole GGUF."""
+    import gguf
+
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (expected the magic bytes b'GGUF', found {magic!r})")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader fails with assorted numpy errors on short files
+        raise ModelLoadError(
+            f"{path}: cannot parse GGUF file, it is probably truncated or corrupt "
+            f"(expected a complete GGUF v2/v3 file; reader said: {e})"
+        ) from e
+    size = os.path.getsize(path)
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size or tensor.data.nbytes != tensor.n_bytes:
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name!r} runs past the end of the file ({size} bytes); "
+                "the GGUF file is truncated"
+            )
+    return reader
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file as Python values (strings, numbers, lists)."""
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def _f32(value: float) -> float:
+    """The shortest decimal that rounds to the same float32, e.g. 9.99999974e-06 -> 1e-05.
+
+    GGUF stores float metadata as float32; the original config.json said 1e-05.
+    """
+    return float(str(np.float32(value)))
+
+
+# ---------------------------------------------------------------- config
+
+
+def gguf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], path: str) -> dict:
+    """A transformers-style config.json dict from GGUF metadata.
+
+    `tensor_shapes` maps GGUF tensor names to their numpy shapes (rows first), used for the
+    vocabulary size, tied embeddings and attention bias, which the metadata does not state.
+    """
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    if "token_embd.weight" not in tensor_shapes:
+        raise ModelLoadError(f"{path}: no 'token_embd.weight' tensor; expected a decoder-only LM checkpoint")
+    if "rope_freqs.weight" in tensor_shapes:
+        raise ModelLoadError(
+            f"{path}: has a 'rope_freqs' tensor (Llama 3.1-style RoPE scaling), which cannot be "
+            "expressed as a Hugging Face rope_scaling config; use the model's safetensors folder instead"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    def required(name: str) -> int:
+        if key(name) is None:
+            raise ModelLoadError(f"{path}: missing metadata key '{arch}.{name}'")
+        return int(key(name))
+
+    hidden = required("embedding_length")
+    num_heads = required("attention.head_count")
+    head_dim = key("attention.key_length") or (key("rope.dimension_count") if arch == "llama" else None)
+    return {
+        "model_type": arch,
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "hidden_size": hidden,
+        "intermediate_size": required("feed_forward_length"),
+        "num_hidden_layers": required("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", num_heads)),
+        "head_dim": int(head_dim or hidden // num_heads),
+        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(key("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(meta, arch),
+        "max_position_embeddings": required("context_length"),
+        "vocab_size": tensor_shapes["token_embd.weight"][0],  # the model's truth; = len(tokens) normally
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_shapes,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str) -> dict | None:
+    """HF `rope_scaling` from `{arch}.rope.scaling.*` keys; None when absent or type 'none'."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind in (None, "none") or not factor:
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": _f32(factor)}
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if original:
+        scaling["original_max_position_embeddings"] = int(original)
+    attn_factor = meta.get(f"{arch}.rope.scaling.attn_factor")
+    if attn_factor:
+        scaling["attention_factor"] = _f32(attn_factor)
+    return scaling
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The transformers parameter name for a GGUF tensor name; None for tensors HF has no use for."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_TENSOR_NAMES:
+        return f"{_GLOBAL_TENSOR_NAMES[base]}.{suffix}"
+    match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
+    if match and match[2] in _LAYER_TENSOR_NAMES:
+        return f"model.layers.{match[1]}.{_LAYER_TENSOR_NAMES[match[2]]}.{match[3]}"
+    return None
+
+
+def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of q_proj/k_proj output rows.
+
+    weight: [num_heads * head_dim, ...] (a weight [out, in] or a bias [out]).
+    llama.cpp's converter stores each head's rows as interleaved pairs (x0, x_half, x1, x_half+1,
+    ...) for its GPT-J-style RoPE; HF's rotate_half wants the two halves contiguous. Per head, the
+    stored rows are [head_dim/2, 2]; transposing them to [2, head_dim/2] restores HF's order.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    per_head = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return per_head.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _dequantize(tensor, path: str) -> np.ndarray:
+    """A GGUF tensor as float32 numpy, shaped like the HF weight: GGUF's dims reversed."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name!r} uses quantization {tensor.tensor_type.name}, "
+            f"which gguf cannot dequantize ({e})"
+        ) from e
+    values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+    return values if values.flags.writeable else values.copy()  # F32/F16 tensors are views of the mmap
+
+
+def convert_tensors(reader, config: dict, path: str) -> dict[str, torch.Tensor]:
+    """All model tensors of an open GGUF file, dequantized to float32 and named as in transformers."""
+    arch = config["model_type"]
+    heads_for = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    state_dict: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            logger.info("%s: skipping tensor %s", path, tensor.name)
+            continue
+        values = _dequantize(tensor, path)
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if arch == "llama" and kind in heads_for:  # qwen2/qwen3 GGUFs are not permuted
+            values = unpermute_rotary_rows(values, heads_for[kind])
+        state_dict[name] = torch.from_numpy(np.ascontiguousarray(values))  # [out, in] or [n]
+    return state_dict
+
+
+# ---------------------------------------------------------------- cache
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live: $SPECSERVE_CACHE_DIR, else ~/.cache/specserve."""
+    return Path(os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve")
+
+
+def gguf_cache_dir(path: str) -> Path:
+    """The cache folder for one version of one GGUF file (its absolute path, size and mtime)."""
+    stat = os.stat(path)
+    identity = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|v{_CACHE_VERSION}"
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{Path(path).stem}-{digest}"
+
+
+def atomic_write(target: Path, write: Callable[[str], None]) -> None:
+    """Call `write(tmp_path)` and rename the result onto `target`, so readers never see half a file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _read_cache(folder: Path) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """(config, float32 state dict) from a cache folder, or None if it is absent or unreadable."""
+    from safetensors.torch import load_file
+
+    config_file, weights_file = folder / "config.json", folder / "model.safetensors"
+    if not (config_file.exists() and weights_file.exists()):
+        return None
+    try:
+        return json.loads(config_file.read_text()), load_file(str(weights_file))
+    except Exception as e:  # a damaged cache is rebuilt, not fatal
+        logger.warning("ignoring unreadable cache %s: %s", folder, e)
+        return None
+
+
+def _write_cache(folder: Path, config: dict, state_dict: dict[str, torch.Tensor]) -> None:
+    """Store a converted checkpoint; the config is written last and marks the entry complete."""
+    from safetensors.torch import save_file
+
+    try:
+        atomic_write(folder / "model.safetensors", lambda tmp: save_file(state_dict, tmp))
+        atomic_write(folder / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
+    except OSError as e:
+        logger.warning("could not cache converted GGUF in %s: %s", folder, e)
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32, use_cache: bool = True) -> tuple[dict, dict]:
+    """(HF config dict, HF-named state dict in `dtype`) for a llama/qwen2/qwen3 GGUF file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    folder = gguf_cache_dir(path) if use_cache else None
+    cached = _read_cache(folder) if folder else None
+    if cached is None:
+        start = time.perf_counter()
+        reader = open_gguf(path)
+        shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+        config = gguf_config(read_metadata(reader), shapes, path)
+        state_dict = convert_tensors(reader, config, path)
+        check_state_dict(config, state_dict, path)
+        logger.info("converted %s in %.1f s", path, time.perf_counter() - start)
+        if folder:
+            _write_cache(folder, config, state_dict)
+    else:
+        config, state_dict = cached
+    return config, {name: t.to(dtype) for name, t in state_dict.items()}

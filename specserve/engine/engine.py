@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from specserve.config import EngineConfig
+from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import RequestOutput
@@ -16,6 +16,7 @@ from specserve.engine.scheduler import Scheduler, SchedulerConfig
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
 from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.proposer import make_proposer
 from specserve.tokenizer import load_tokenizer
 from specserve.worker.model_runner import ModelRunner
 
@@ -35,6 +36,16 @@ class EngineMetrics:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record_drafts(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft:
+            self.accepted_per_position += [0] * (num_draft - len(self.accepted_per_position))
+        for pos in range(num_accepted):
+            self.accepted_per_position[pos] += 1
 
     @property
     def mean_acceptance_length(self) -> float | None:
@@ -55,8 +66,17 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.kv_cache_manager)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, set(self.eos_token_ids),
-                                  self.model.config.vocab_size)
+        self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
+                            if config.speculative_config else None)
+        proposer = None
+        if self.spec_config is not None:
+            proposer = make_proposer(self.spec_config, self.model, dict(
+                dtype=config.torch_dtype, block_size=config.block_size, num_blocks=num_blocks,
+                max_model_len=self.max_model_len))
+        self.runner = ModelRunner(
+            self.model, num_blocks, config.block_size, set(self.eos_token_ids), self.model.config.vocab_size,
+            self.max_model_len, proposer,
+            self.spec_config.num_speculative_tokens if self.spec_config else 0)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
 
@@ -158,6 +178,8 @@ class LLMEngine:
         running = {rid: self.scheduler.requests[rid] for rid in sched.req_ids}
         finished = self.scheduler.update_from_output(sched, out.sampled_token_ids, out.spec_token_ids)
         self._count(finished, sum(len(t) for t in out.sampled_token_ids.values()))
+        for rid, drafts in sched.scheduled_spec_decode_tokens.items():
+            self.metrics.record_drafts(len(drafts), len(out.sampled_token_ids.get(rid, ())) - 1)
         return self._make_outputs(running, out.logprobs)
 
     def _make_outputs(self, running: dict[str, Request], logprobs) -> list[RequestOutput]:

@@ -6,6 +6,8 @@ request's tokens live in. A token at absolute index i of request r lives in slot
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -18,15 +20,21 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: bytes | None = None
 
     def __repr__(self) -> str:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash chain link: a block's identity is its tokens plus everything before it."""
-    return hash((parent_hash, token_ids))
+def hash_block_tokens(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Hash chain link: a block's identity is its tokens plus everything before it.
+
+    SHA-256 rather than Python's hash(): on a shared server a crafted prompt must not be able to
+    collide with another user's cached prefix.
+    """
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockPool:
@@ -39,7 +47,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         # Ordered oldest-freed first: allocation takes from the front, so the LRU cached block goes first.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, KVCacheBlock] = {}
+        self.cached: dict[bytes, KVCacheBlock] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -49,7 +57,7 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
@@ -84,7 +92,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = None
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         if block.block_hash is not None:
             return
         if block_hash in self.cached:
@@ -99,7 +107,7 @@ class BlockPool:
 
 @dataclass
 class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
+    queries: int = 0  # tokens looked up, counted once per admission (first allocation)
     hits: int = 0  # of those, tokens found in the cache
 
     @property
@@ -153,10 +161,8 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_hit = len(blocks) * self.block_size
-        self.stats.queries += request.num_tokens
-        self.stats.hits += num_hit
-        return blocks, num_hit
+        # Counted in allocate_slots once the request is admitted, not here (see there).
+        return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
         self,
@@ -172,6 +178,7 @@ class KVCacheManager:
         verified tokens: the last num_draft_tokens of the new tokens are drafts and are never cached.
         """
         bs = self.block_size
+        is_admission = request.request_id not in self.req_blocks
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
         num_required = -(-(num_computed + num_new_tokens + num_lookahead_tokens) // bs)
@@ -181,6 +188,11 @@ class KVCacheManager:
             if not blocks:
                 del self.req_blocks[request.request_id]
             return None
+        if self.enable_caching and is_admission:
+            # Fix: the lookup used to be counted in get_computed_blocks, so a waiting request retried
+            # every step while the pool was full inflated queries and hits once per retry.
+            self.stats.queries += request.num_tokens
+            self.stats.hits += len(new_computed_blocks) * bs
         self.pool.touch(list(new_computed_blocks))
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.allocate(max(num_needed, 0))

@@ -81,7 +81,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.num_preemptions = 0
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         self.spec_stats = SpecDecodeRequestStats()
         # Stop conditions the scheduler checks token by token (stop strings are the detokenizer's).
         self.max_tokens = max_tokens if max_tokens is not None else getattr(sampling_params, "max_tokens", None)

@@ -98,6 +98,8 @@ class Scheduler:
 
     def finish_requests(self, request_ids, status: RequestStatus) -> None:
         """Finish (abort, or stop on a stop string) requests from outside the step loop."""
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             request = self.requests.get(rid)
             if request is None or request.is_finished:

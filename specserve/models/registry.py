@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from specserve.models.llama import LlamaForCausalLM
+from specserve.models.qwen2_vl import Qwen2VLForCausalLM
 
 _MODELS = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "qwen2_vl": Qwen2VLForCausalLM, "qwen2_5_vl": Qwen2VLForCausalLM,  # text decoder only
 }
 
 

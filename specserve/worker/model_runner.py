@@ -11,8 +11,16 @@ import torch
 
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.sample.metadata import SamplingMetadata
+from specserve.sample.rejection_sampler import RejectionSampler
 from specserve.sample.sampler import Sampler
+from specserve.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
+from specserve.spec_decode.proposer import DraftInputs
 from specserve.worker.attention import AttentionMetadata, build_attention_metadata
+
+
+def positions_at(positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The one accessor for positions: [N] → [T] and [3, N] → [3, T], always on the token axis."""
+    return positions[..., index]
 
 
 @dataclass
@@ -47,7 +55,8 @@ class InputBatch:
     query_start_loc: list[int]  # [B + 1]
     logits_indices: torch.Tensor  # [M] rows of hidden states the LM head sees
     sample_req_ids: list[str]  # requests that get tokens this step (prompt complete)
-    spec_decode_metadata: object | None  # SpecDecodeMetadata when any request verifies drafts
+    draft_token_ids: list[list[int]]  # [len(sample_req_ids)] drafts verified this step (may be empty)
+    spec_decode_metadata: SpecDecodeMetadata | None  # None when no request verifies drafts
 
 
 @dataclass
@@ -60,18 +69,24 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, eos_token_ids: set[int], vocab_size: int,
-                 proposer=None) -> None:
+                 max_model_len: int, proposer=None, num_speculative_tokens: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
         self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.uses_mrope = getattr(model, "uses_mrope", False)
         shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
                           for _ in range(model.num_layers)]
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        self.draft_probs: dict[str, torch.Tensor] = {}  # [n, vocab] of drafts awaiting verification
+        self.finished_since_draft: set[str] = set()
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -89,6 +104,9 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
             self.requests.pop(rid, None)
+            self.draft_probs.pop(rid, None)
+            if rid not in sched.preempted_req_ids:
+                self.finished_since_draft.add(rid)
             if rid not in sched.preempted_req_ids:
                 self.generators.pop(rid, None)
         for new in sched.scheduled_new_reqs:
@@ -113,7 +131,7 @@ class ModelRunner:
     def prepare_inputs(self, sched: SchedulerOutput) -> InputBatch:
         bs = self.block_size
         ids, positions, slots, logits_idx = [], [], [], []
-        query_lens, context_lens, tables, sample_ids = [], [], [], []
+        query_lens, context_lens, tables, sample_ids, sample_drafts, sample_ends = [], [], [], [], [], []
         starts = [0]
         for rid in sched.req_ids:
             state = self.requests[rid]
@@ -129,24 +147,32 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             if start + n >= len(state.token_ids):
                 sample_ids.append(rid)
-                end = starts[-1] + n
-                logits_idx.extend(range(end - 1 - len(drafts), end))
+                sample_drafts.append(drafts)
+                sample_ends.append(starts[-1] + n)
+                logits_idx.extend(range(starts[-1] + n - 1 - len(drafts), starts[-1] + n))
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(table)
             starts.append(starts[-1] + n)
         slot_mapping = torch.tensor(slots, dtype=torch.long)
         attn = build_attention_metadata(query_lens, context_lens, tables, bs, slot_mapping)
+        spec = build_spec_decode_metadata(sample_drafts, sample_ends) if any(sample_drafts) else None
         return InputBatch(
             req_ids=list(sched.req_ids),
             input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
+            positions=self._layout_positions(torch.tensor(positions, dtype=torch.long)),
             attn=attn,
             query_start_loc=starts,
             logits_indices=torch.tensor(logits_idx, dtype=torch.long),
             sample_req_ids=sample_ids,
-            spec_decode_metadata=None,
+            draft_token_ids=sample_drafts,
+            spec_decode_metadata=spec,
         )
+
+    def _layout_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """[N] absolute indices → the model's layout: [N], or [3, N] under M-RoPE (text: equal rows)."""
+        return positions.expand(3, -1) if self.uses_mrope else positions
+
 
     # ---- sampling -----------------------------------------------------------------------
     def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
@@ -161,38 +187,91 @@ class ModelRunner:
         )
 
     def sample_or_verify(self, logits: torch.Tensor, batch: InputBatch):
-        """logits: [M, vocab]; returns ({req_id: new tokens}, {req_id: logprob entries})."""
+        """logits: [M, vocab]; returns ({req_id: new tokens}, {req_id: one logprob entry per new token})."""
         sampled: dict[str, list[int]] = {rid: [] for rid in batch.req_ids}
-        logprobs: dict[str, list[dict]] = {}
         if not batch.sample_req_ids:
-            return sampled, logprobs
+            return sampled, {}
         meta = self._sampling_metadata(batch.sample_req_ids)
-        out = self.sampler(logits, meta)
-        tokens = out.sampled_token_ids.tolist()
-        for i, rid in enumerate(batch.sample_req_ids):
-            sampled[rid] = [tokens[i]]
-            self.requests[rid].append([tokens[i]])
-        if out.logprobs is not None:
-            logprobs = self._logprob_entries(batch.sample_req_ids, out.logprobs)
+        if batch.spec_decode_metadata is None:
+            out = self.sampler(logits, meta)
+            tokens = [[t] for t in out.sampled_token_ids.tolist()]
+        else:
+            probs = [self.draft_probs.pop(rid, None) for rid in batch.sample_req_ids]
+            probs = [p[: len(d)] if p is not None else None for p, d in zip(probs, batch.draft_token_ids)]
+            out = self.rejection_sampler(batch.spec_decode_metadata, logits, meta,
+                                         probs if any(p is not None for p in probs) else None)
+            tokens = out.token_ids
+        for rid, toks in zip(batch.sample_req_ids, tokens):
+            sampled[rid] = toks
+            self.requests[rid].append(toks)
+        logprobs = self._logprob_entries(batch.sample_req_ids, tokens, out.logprobs) if out.logprobs else {}
         return sampled, logprobs
 
-    def _logprob_entries(self, req_ids: list[str], lp) -> dict[str, list[dict]]:
-        """Per request, one {token_id: (logprob, rank)} dict: the sampled token plus its top-n."""
+    def _logprob_entries(self, req_ids: list[str], tokens: list[list[int]], lp) -> dict[str, list[dict]]:
+        """Per request, per new token, {token_id: (logprob, rank)}: the sampled token plus the top-n."""
         ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-        out = {}
-        for i, rid in enumerate(req_ids):
+        out, row = {}, 0
+        for rid, toks in zip(req_ids, tokens):
             n = getattr(self.requests[rid].sampling_params, "logprobs", None)
-            if n is None:
-                continue
-            entry = {ids[i][0]: (vals[i][0], ranks[i])}
-            for j in range(1, n + 1):
-                entry.setdefault(ids[i][j], (vals[i][j], j))
-            out[rid] = [entry]
+            entries = []
+            for _ in toks:
+                entry = {ids[row][0]: (vals[row][0], ranks[row])}
+                for j in range(1, (n or 0) + 1):
+                    entry.setdefault(ids[row][j], (vals[row][j], j))
+                entries.append(entry)
+                row += 1
+            if n is not None:
+                out[rid] = entries
         return out
 
     # ---- drafting -----------------------------------------------------------------------
     def propose_draft_token_ids(self, batch: InputBatch, sampled: dict[str, list[int]],
                                 hidden: torch.Tensor, aux) -> dict[str, list[int]] | None:
+        """Drafts for the next step, per request (None when speculation is off)."""
         if self.proposer is None:
             return None
-        raise NotImplementedError("speculative decoding lands with the speculative-decoding issue")
+        inputs = self._build_draft_inputs(batch, sampled, hidden, aux)
+        drafts = self.proposer.propose(inputs)
+        for i, rid in enumerate(inputs.req_ids):
+            if drafts.probs is not None and drafts.probs[i] is not None and drafts.token_ids[i]:
+                self.draft_probs[rid] = drafts.probs[i]
+        return {rid: d for rid, d in zip(inputs.req_ids, drafts.token_ids) if d}
+
+    def _num_drafts(self, state: CachedRequestState) -> int:
+        """The engine's k, lowered (or turned off with 0) per request by SamplingParams."""
+        k = getattr(state.sampling_params, "num_speculative_tokens", None)
+        k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
+        room = self.max_model_len - len(state.token_ids) - 1
+        return max(0, min(k, room))
+
+    def _build_draft_inputs(self, batch: InputBatch, sampled: dict[str, list[int]], hidden: torch.Tensor,
+                            aux) -> DraftInputs:
+        """Target states of the accepted tokens of each sampling request; rejected tails dropped."""
+        req_ids = batch.sample_req_ids
+        row_of = {rid: i for i, rid in enumerate(batch.req_ids)}
+        index, cu = [], [0]
+        for rid, drafts in zip(req_ids, batch.draft_token_ids):
+            start, end = batch.query_start_loc[row_of[rid]], batch.query_start_loc[row_of[rid] + 1]
+            num_rejected = len(drafts) + 1 - len(sampled[rid])
+            index.extend(range(start, end - num_rejected))
+            cu.append(len(index))
+        index_t = torch.tensor(index, dtype=torch.long)
+        states = [self.requests[rid] for rid in req_ids]
+        finished, self.finished_since_draft = self.finished_since_draft, set()
+        return DraftInputs(
+            req_ids=list(req_ids),
+            sampled_token_ids=[sampled[rid] for rid in req_ids],
+            next_token_ids=[sampled[rid][-1] for rid in req_ids],
+            token_ids=[s.token_ids for s in states],
+            num_prompt_tokens=[len(s.prompt_token_ids) for s in states],
+            num_drafts=[self._num_drafts(s) for s in states],
+            target_token_ids=batch.input_ids[index_t],
+            target_positions=positions_at(batch.positions, index_t),
+            target_hidden_states=hidden[index_t],
+            aux_hidden_states=[a[index_t] for a in aux] if aux is not None else None,
+            cu_num_tokens=cu,
+            sampling_params=[s.sampling_params for s in states],
+            generators=[s.generator for s in states],
+            max_model_len=self.max_model_len,
+            finished_req_ids=finished,
+        )

@@ -1,0 +1,134 @@
+"""Qwen2-VL / Qwen2.5-VL text decoder: the Qwen2 layers of llama.py with multimodal rotary positions (M-RoPE).
+
+Only the language model is served (text-only prompts); vision-tower weights in the checkpoint are ignored.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.models.llama import DecoderConfig, LlamaForCausalLM
+from specserve.models.rope import RotaryEmbedding
+
+# transformers falls back to this split when a config names none; it fits head_dim 128.
+DEFAULT_MROPE_SECTION = (16, 24, 24)
+# Qwen2VLTextConfig's rope_theta when a config names none.
+DEFAULT_ROPE_THETA = 1000000.0
+_NON_TEXT_KEYS = ("text_config", "vision_config")
+_VISION_PREFIXES = ("model.visual.", "visual.")
+_TEXT_PREFIX = "model.language_model."  # transformers 5 names; checkpoints from 4.x say "model."
+
+
+def text_mrope_positions(num_computed: int, num_tokens: int, delta: int = 0) -> torch.Tensor:
+    """[3, num_tokens] M-RoPE positions of text tokens: every row is arange(num_computed, +num_tokens) + delta.
+
+    delta is the request's constant offset (0 for text-only prompts; after images, the prompt's largest
+    position + 1 - prompt length).
+    """
+    if num_computed < 0 or num_tokens < 0:
+        raise ValueError(f"num_computed and num_tokens must be >= 0 (got {num_computed}, {num_tokens})")
+    row = torch.arange(num_computed + delta, num_computed + delta + num_tokens, dtype=torch.long)
+    return row.unsqueeze(0).repeat(3, 1)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Rotary embedding whose frequencies are split in three sections read from the t, h and w position rows.
+
+    `mrope_section` counts frequencies (units of head_dim / 2): the first s0 use row 0 (temporal), the
+    next s1 row 1 (height), the last s2 row 2 (width). Frequency j rotates dims j and j + head_dim / 2
+    (rotate-half), so both halves of cos/sin take the same row, as transformers' Qwen2-VL does.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, mrope_section: list[int] | tuple[int, ...],
+                 dtype: torch.dtype = torch.float32) -> None:
+        section = [int(s) for s in mrope_section]
+        if len(section) != 3 or min(section) < 0 or sum(section) != head_dim // 2:
+            raise ValueError(f"mrope_section must be 3 non-negative sizes summing to head_dim / 2 = "
+                             f"{head_dim // 2} (got {list(mrope_section)})")
+        super().__init__(head_dim, max_position, theta, None, dtype)
+        self.mrope_section = tuple(section)
+        half_axis = torch.repeat_interleave(torch.arange(3), torch.tensor(section))  # [head_dim // 2]
+        self.axis = torch.cat([half_axis, half_axis])  # [head_dim] which position row each dim reads
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [N] (all three rows equal) or [3, N] → cos, sin: [N, 1, head_dim]."""
+        if positions.dim() == 1:
+            return super().cos_sin(positions)
+        if positions.dim() != 2 or positions.shape[0] != 3:
+            raise ValueError(f"M-RoPE positions must have shape [N] or [3, N] (got {list(positions.shape)})")
+        return self._select(self.cos, positions), self._select(self.sin, positions)
+
+    def _select(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """table: [max_position, head_dim]; positions: [3, N] → [N, 1, head_dim], dim d from row axis[d]."""
+        per_row = table[positions]  # [3, N, head_dim]
+        index = self.axis.view(1, 1, -1).expand(1, per_row.shape[1], -1)
+        return per_row.gather(0, index).squeeze(0).unsqueeze(1)
+
+
+def mrope_settings(text_config: dict) -> tuple[float, list[int]]:
+    """(rope_theta, mrope_section) from `rope_scaling` (hub configs) or `rope_parameters` (transformers 5)."""
+    params = text_config.get("rope_parameters") or {}
+    scaling = text_config.get("rope_scaling") or {}
+    # transformers 5 rewrites type "mrope" to rope_type "default"; older saves say either.
+    kinds = {rope.get(key) for rope in (scaling, params) for key in ("type", "rope_type")}
+    unsupported = kinds - {None, "default", "mrope"}
+    if unsupported:
+        raise ValueError(f"rope type {sorted(unsupported)} is not supported for Qwen2-VL (supported: default, mrope)")
+    theta = params.get("rope_theta") or scaling.get("rope_theta") or text_config.get("rope_theta")
+    section = scaling.get("mrope_section") or params.get("mrope_section") or DEFAULT_MROPE_SECTION
+    return float(theta or DEFAULT_ROPE_THETA), list(section)
+
+
+def text_decoder_config(hf_config: dict) -> dict:
+    """The flat Qwen2 config the Llama-family decoder reads, from a Qwen2-VL config of either layout.
+
+    transformers 5 nests the language model's fields under `text_config`; hub checkpoints keep them at
+    the top level. Either way the text fields win over top-level ones. M-RoPE is carried in `mrope_section`
+    (frequencies per t/h/w row); `rope_scaling` is cleared so the base rotary sees plain RoPE.
+    """
+    text = hf_config.get("text_config") or {}
+    merged = {k: v for k, v in hf_config.items() if k not in _NON_TEXT_KEYS}
+    merged.update(text)
+    if merged.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=True is not supported for Qwen2-VL (full attention only)")
+    theta, section = mrope_settings(merged)
+    merged.update(
+        model_type=hf_config.get("model_type", "qwen2_vl"),
+        # transformers' Qwen2-VL attention ignores any head_dim field.
+        head_dim=merged["hidden_size"] // merged["num_attention_heads"],
+        attention_bias=True,
+        rope_theta=theta,
+        rope_scaling=None,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        mrope_section=section,
+        # Pre-5 saves kept the flag in text_config; transformers ties when either says so.
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings") or text.get("tie_word_embeddings")),
+    )
+    return merged
+
+
+def text_decoder_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The language-model weights under the names llama.py reads (`model.layers.N...`, `lm_head.weight`)."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        if name.startswith(_TEXT_PREFIX):
+            name = "model." + name[len(_TEXT_PREFIX):]
+        out[name] = tensor
+    return out
+
+
+class Qwen2VLForCausalLM(LlamaForCausalLM):
+    """Qwen2-VL / Qwen2.5-VL language model; `forward` takes positions [N] or [3, N] (t, h, w rows)."""
+
+    uses_mrope = True
+
+    def __init__(self, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 aux_hidden_layers: tuple[int, ...] = ()) -> None:
+        text = text_decoder_config(hf_config)
+        self.mrope_section = text["mrope_section"]  # read by _make_rotary, which the base constructor calls
+        super().__init__(text, text_decoder_weights(weights), dtype=dtype, aux_hidden_layers=aux_hidden_layers)
+
+    def _make_rotary(self, cfg: DecoderConfig, dtype: torch.dtype) -> MRotaryEmbedding:
+        return MRotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, self.mrope_section,
+                                dtype)

@@ -1,0 +1,29 @@
+import pytest
+
+from specserve.config import EngineConfig, SpeculativeConfig
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "ngram", "prompt_lookup_min": 0}, "prompt_lookup"),
+    ({"method": "eagle9"}, "method must be one of"),
+    ({"method": "draft_model"}, "speculative_config.model is required"),
+    ({"method": "ngram", "num_speculative_token": 3}, "unknown speculative_config key"),
+    ({"num_speculative_tokens": 3}, "method is required"),
+])
+def test_invalid_speculative_configs_are_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(bad)
+
+
+def test_one_lookup_bound_is_copied_to_the_other():
+    cfg = SpeculativeConfig.from_dict({"method": "ngram", "prompt_lookup_max": 3})
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (3, 3)
+
+
+@pytest.mark.parametrize("field,value", [("max_num_seqs", 0), ("block_size", 0), ("dtype", "int3"),
+                                         ("max_model_len", 1), ("num_kv_blocks", 0)])
+def test_engine_config_names_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})

@@ -1,5 +1,7 @@
 import os
 
+import specserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+
 import pytest
 import torch
 

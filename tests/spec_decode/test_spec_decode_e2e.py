@@ -1,0 +1,88 @@
+"""Greedy equivalence of every proposer on SmolLM2: token for token the output of plain decoding.
+
+24 Spec-Bench prompts from 8 categories (tests/data/specbench_sample.jsonl), 96 tokens each, run in
+mixed-length batches with chunked prefill.
+"""
+import json
+import os
+
+import pytest
+from safetensors.torch import save_file
+
+from specserve.llm import LLM
+from specserve.models.loader import load_model_weights
+from specserve.sampling_params import SamplingParams
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "specbench_sample.jsonl")
+MAX_TOKENS = 96
+ENGINE = dict(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    plain = LLM(**ENGINE)
+    tok = plain.get_tokenizer()
+    rows = [json.loads(line) for line in open(DATA)]
+    assert len({r["category"] for r in rows}) >= 6 and len(rows) == 24
+    texts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}]) for r in rows]
+    ids = [{"prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in plain.generate(ids, params, use_tqdm=False)]
+    return ids, reference
+
+
+@pytest.fixture(scope="module")
+def weak_draft(tmp_path_factory):
+    """A weaker draft: the target with only its first 10 of 30 layers, saved as a HF folder."""
+    loaded = load_model_weights(None)
+    cfg = dict(loaded.config, num_hidden_layers=10)
+    keep = {k: v.contiguous() for k, v in loaded.state_dict.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < 10}
+    folder = tmp_path_factory.mktemp("weak_draft")
+    save_file(keep, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+def _check_metrics(llm, outs):
+    m = llm.get_metrics()
+    assert m.num_drafts > 0 and 0 <= m.num_accepted_tokens <= m.num_draft_tokens
+    per_pos = m.accepted_per_position
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:])), per_pos
+    assert sum(per_pos) == m.num_accepted_tokens
+    for out in outs:
+        r = out.metrics
+        assert r.num_accepted_tokens <= r.num_draft_tokens
+        assert all(a >= b for a, b in zip(r.accepted_per_position, r.accepted_per_position[1:]))
+    return m
+
+
+def _run(spec, prompts):
+    ids, reference = prompts
+    llm = LLM(speculative_config=spec, **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(ids, params, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        assert out.outputs[0].token_ids == ref, f"prompt {i} diverged"
+    return llm, outs
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+    {"method": "suffix", "num_speculative_tokens": 6},
+])
+def test_lookup_proposers_keep_greedy_output(spec, prompts):
+    llm, outs = _run(spec, prompts)
+    _check_metrics(llm, outs)
+
+
+def test_self_draft_accepts_everything(prompts, default_gguf_path):
+    llm, outs = _run({"method": "draft_model", "model": default_gguf_path, "num_speculative_tokens": 3}, prompts)
+    m = _check_metrics(llm, outs)
+    assert m.num_accepted_tokens == m.num_draft_tokens
+
+
+def test_weaker_draft_keeps_greedy_output(prompts, weak_draft):
+    llm, outs = _run({"method": "draft_model", "model": weak_draft, "num_speculative_tokens": 3}, prompts)
+    m = _check_metrics(llm, outs)
+    assert m.num_accepted_tokens < m.num_draft_tokens

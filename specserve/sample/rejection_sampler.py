@@ -1,0 +1,239 @@
+"""Verifies draft tokens against the target model's logits, so speculation never changes what is sampled.
+
+Speculative sampling from Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding" (arXiv 2211.17192). For a request with drafts d_0..d_{n-1} the target model gives n + 1
+logits rows: row j verifies d_j, row n gives the bonus token. p_j is the Sampler's own distribution at
+row j (`compute_probs` with history output + d_0..d_{j-1}, so penalties and min_tokens stay exact); q_j is
+the drafter's distribution, one-hot at d_j when the drafter reports no probabilities.
+
+- accepted: draft d_j kept with probability min(1, p_j(d_j) / q_j(d_j)); greedy rows keep it iff it is
+  the argmax of the penalised logits. Verification stops at the first draft not accepted.
+- recovered: the token emitted at the first rejected position j, drawn from normalize(max(p_j - q_j, 0))
+  (from p_j when that is all zero, i.e. p_j == q_j); greedy rows emit the argmax.
+- bonus: the token emitted after all n drafts are accepted, drawn from p_n (greedy: its argmax).
+Each request emits its accepted drafts plus one recovered or bonus token: 1 to n + 1 tokens, each
+distributed exactly as the target alone would sample it (the paper's Theorem 1).
+
+Draw order of a seeded request with n drafts, all from its own generator: n uniforms
+(`torch.rand(n)`, all n even when an early draft is rejected), then one vector of V Exp(1) values for
+the exponential race that picks the recovered or bonus token (`random_sample`). Batch-mates never touch
+it, and with n = 0 the draw is exactly the Sampler's, so such a request gets the Sampler's token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.sample.metadata import SamplingMetadata
+from specserve.sample.sampler import (LogprobsTensors, apply_penalties_and_masks, compute_probs,
+                                      gather_logprobs, random_sample)
+from specserve.spec_decode.metadata import SpecDecodeMetadata
+
+
+@dataclass
+class RejectionOutput:
+    token_ids: list[list[int]]  # per request: accepted drafts + one recovered or bonus token
+    logprobs: LogprobsTensors | None  # one row per emitted token, requests in order
+    num_accepted: list[int]  # per request: how many drafts were accepted
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Request-major rows: request i owns rows row_starts[i] .. row_starts[i] + n_i (the last is bonus)."""
+
+    num_drafts: torch.Tensor  # [B] int64
+    draft_starts: torch.Tensor  # [B] int64, request i's first draft in the flattened drafts
+    row_starts: torch.Tensor  # [B] int64, request i's first row (draft_starts[i] + i)
+    draft_req: torch.Tensor  # [T_d] int64, request of each draft
+    draft_pos: torch.Tensor  # [T_d] int64, position of each draft within its request
+    draft_rows: torch.Tensor  # [T_d] int64, row verifying each draft
+
+    @classmethod
+    def of(cls, spec: SpecDecodeMetadata) -> _Layout:
+        num_drafts = torch.tensor(spec.num_draft_tokens, dtype=torch.int64)
+        draft_starts = num_drafts.cumsum(0) - num_drafts
+        draft_req = _segment_of(num_drafts)
+        draft_pos = torch.arange(len(draft_req)) - draft_starts[draft_req]
+        return cls(num_drafts, draft_starts, draft_starts + torch.arange(len(num_drafts)),
+                   draft_req, draft_pos, torch.arange(len(draft_req)) + draft_req)
+
+
+class RejectionSampler:
+    """Accepts or rejects each request's drafts and emits one more token, for greedy and random rows."""
+
+    def __call__(self, spec: SpecDecodeMetadata, logits: torch.Tensor, meta: SamplingMetadata,
+                 draft_probs: list[torch.Tensor | None] | None = None) -> RejectionOutput:
+        """logits: [T_d + B, V] raw target logits, row r at spec.logits_indices[r]; meta: one row per
+        request (not expanded); draft_probs: per request [n_i, V] or None (q one-hot at the draft)."""
+        _check_inputs(spec, logits, meta, draft_probs)
+        layout = _Layout.of(spec)
+        if not _is_request_major(spec, layout):
+            logits = logits[_request_major_order(spec, layout)]
+        drafts = spec.draft_token_ids.long()  # [T_d]
+        per_request = _split(drafts.tolist(), spec.num_draft_tokens)
+        expanded = meta.expand_for_verification(per_request)
+        if expanded.all_greedy:
+            num_accepted, final = _verify_greedy(logits, expanded, drafts, layout)
+        else:
+            num_accepted, final = _verify_random(logits, expanded, drafts, draft_probs, layout,
+                                                 meta.generators)
+        accepted = num_accepted.tolist()
+        token_ids = [d[:a] + [t] for d, a, t in zip(per_request, accepted, final.tolist())]
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            rows = _emitting_rows(layout.row_starts, num_accepted)  # [sum(a_i + 1)]
+            emitted = torch.tensor([t for toks in token_ids for t in toks], dtype=torch.int64)
+            logprobs = gather_logprobs(logits[rows], emitted, meta.max_num_logprobs)
+        return RejectionOutput(token_ids=token_ids, logprobs=logprobs, num_accepted=accepted)
+
+
+def _verify_greedy(logits: torch.Tensor, expanded: SamplingMetadata, drafts: torch.Tensor,
+                   layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_accepted [B], final token [B]): accept while the draft is the argmax, then emit the argmax.
+
+    Argmax of the penalised logits only, exactly what the Sampler picks; no softmax.
+    """
+    target = apply_penalties_and_masks(logits, expanded).argmax(dim=-1)  # [T_d + B]
+    num_accepted = _count_accepted(drafts == target[layout.draft_rows], layout)
+    return num_accepted, target[layout.row_starts + num_accepted]
+
+
+def _verify_random(logits: torch.Tensor, expanded: SamplingMetadata, drafts: torch.Tensor,
+                   draft_probs: list[torch.Tensor | None] | None, layout: _Layout,
+                   generators: dict[int, torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_accepted [B], final token [B]) by speculative sampling.
+
+    Greedy rows need no special case: their p is one-hot at the argmax, so a draft is accepted iff it
+    is the argmax, and the recovered and bonus draws both return the argmax.
+    """
+    probs = compute_probs(logits, expanded)  # [T_d + B, V]
+    p_draft = probs[layout.draft_rows, drafts]  # [T_d]
+    q_draft = _q_at_drafts(draft_probs, drafts, layout.num_drafts.tolist())  # [T_d]
+    u = _uniforms(layout, generators)  # [T_d]
+    # u < p/q, written without the division: q(d) >= p(d) accepts with probability p/q, q(d) < p(d)
+    # always accepts, and p(d) == 0 (a draft outside top-k/top-p) never does.
+    num_accepted = _count_accepted(u * q_draft < p_draft, layout)
+    final_dist = probs[layout.row_starts + num_accepted]  # [B, V], the bonus row unless rejected
+    _turn_into_recovery(final_dist, num_accepted, layout, drafts, draft_probs)
+    return num_accepted, random_sample(final_dist, generators)
+
+
+def _q_at_drafts(draft_probs: list[torch.Tensor | None] | None, drafts: torch.Tensor,
+                 num_drafts: list[int]) -> torch.Tensor:
+    """[T_d] f32 q(d) of each draft d; 1 where the drafter gave no probabilities (q one-hot)."""
+    if draft_probs is None:
+        return torch.ones(len(drafts))
+    return torch.cat([torch.ones(len(d)) if q is None else q.gather(1, d[:, None]).squeeze(1).float()
+                      for q, d in zip(draft_probs, drafts.split(num_drafts))])
+
+
+def _turn_into_recovery(final_dist: torch.Tensor, num_accepted: torch.Tensor, layout: _Layout,
+                        drafts: torch.Tensor, draft_probs: list[torch.Tensor | None] | None) -> None:
+    """In place, the rows of final_dist [B, V] (p at the next position) of requests that rejected a
+    draft become max(p - q, 0) at that draft. Left unnormalised: the exponential race is scale-free."""
+    rejected = (num_accepted < layout.num_drafts).nonzero().squeeze(1)  # [R] requests
+    if not len(rejected):
+        return
+    rejected_draft = layout.draft_starts[rejected] + num_accepted[rejected]  # [R] index into drafts
+    has_q = torch.tensor([draft_probs is not None and draft_probs[i] is not None
+                          for i in rejected.tolist()], dtype=torch.bool)  # [R]
+    # q one-hot at d: max(p - q, 0) is p with p[d] = 0. It has mass left, since rejecting d needs p(d) < 1.
+    final_dist[rejected[~has_q], drafts[rejected_draft[~has_q]]] = 0.0
+    if has_q.any():
+        rows = rejected[has_q]
+        q = torch.stack([draft_probs[i][j] for i, j in
+                         zip(rows.tolist(), num_accepted[rows].tolist())]).float()  # [R_q, V]
+        p = final_dist[rows]
+        residual = (p - q).clamp_min(0.0)
+        # All zero only when p == q up to rounding; p itself is then the right law.
+        final_dist[rows] = torch.where((residual.sum(dim=-1) > 0)[:, None], residual, p)
+
+
+def _uniforms(layout: _Layout, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """[T_d] U[0, 1) per draft; a seeded request draws all of its n uniforms from its own generator."""
+    num_drafts = layout.num_drafts.tolist()
+    u = torch.rand(len(layout.draft_rows)) if len(generators) < len(num_drafts) \
+        else torch.empty(len(layout.draft_rows))
+    for i, gen in generators.items():
+        if num_drafts[i]:
+            start = int(layout.draft_starts[i])
+            u[start:start + num_drafts[i]] = torch.rand(num_drafts[i], generator=gen)
+    return u
+
+
+def _count_accepted(accept: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """[B] int64: length of each request's leading run of accepted drafts, accept: [T_d] bool."""
+    num_requests = len(layout.num_drafts)
+    width = int(layout.num_drafts.max()) if num_requests else 0
+    grid = torch.zeros(num_requests, width, dtype=torch.int64)  # positions past n_i stay 0
+    grid[layout.draft_req, layout.draft_pos] = accept.long()
+    return grid.cumprod(dim=1).sum(dim=1)
+
+
+def _emitting_rows(row_starts: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """Row of each emitted token: request i emits from rows row_starts[i] .. row_starts[i] + a_i."""
+    counts = num_accepted + 1  # [B]
+    request = _segment_of(counts)  # [sum(counts)]
+    offsets = torch.arange(len(request)) - (counts.cumsum(0) - counts)[request]
+    return row_starts[request] + offsets
+
+
+def _segment_of(lengths: torch.Tensor) -> torch.Tensor:
+    """[sum(lengths)] int64: which segment each position of back-to-back segments of `lengths` [B] is in.
+
+    Equals torch.repeat_interleave(arange(B), lengths), which went through the thread pool and cost
+    milliseconds even for tiny inputs on a busy CPU.
+    """
+    ends = lengths.cumsum(0)
+    return torch.searchsorted(ends, torch.arange(int(ends[-1]) if len(ends) else 0), right=True)
+
+
+def _request_major_order(spec: SpecDecodeMetadata, layout: _Layout) -> torch.Tensor:
+    """[T_d + B] logits row for each request-major row (request i's draft rows, then its bonus row)."""
+    order = torch.empty(len(spec.logits_indices), dtype=torch.int64)
+    order[layout.draft_rows] = spec.target_logits_indices.long()
+    order[layout.row_starts + layout.num_drafts] = spec.bonus_logits_indices.long()
+    return order
+
+
+def _is_request_major(spec: SpecDecodeMetadata, layout: _Layout) -> bool:
+    """True when logits rows are already request-major (as build_spec_decode_metadata lays them out)."""
+    total = len(spec.logits_indices)
+    return (torch.equal(spec.target_logits_indices.long(), layout.draft_rows)
+            and torch.equal(spec.bonus_logits_indices.long(), layout.row_starts + layout.num_drafts)
+            and total == len(layout.draft_rows) + len(layout.num_drafts))
+
+
+def _split(flat: list[int], counts: list[int]) -> list[list[int]]:
+    out, start = [], 0
+    for n in counts:
+        out.append(flat[start:start + n])
+        start += n
+    return out
+
+
+def _check_inputs(spec: SpecDecodeMetadata, logits: torch.Tensor, meta: SamplingMetadata,
+                  draft_probs: list[torch.Tensor | None] | None) -> None:
+    num_requests, num_drafts = len(spec.num_draft_tokens), sum(spec.num_draft_tokens)
+    if meta.num_rows != num_requests or meta.num_rows_per_request is not None:
+        raise ValueError(f"meta must be the unexpanded metadata with one row per request "
+                         f"({num_requests}), got {meta.num_rows} rows")
+    if len(spec.draft_token_ids) != num_drafts:
+        raise ValueError(f"spec holds {len(spec.draft_token_ids)} draft ids but counts sum to {num_drafts}")
+    if num_drafts and not 0 <= int(spec.draft_token_ids.min()) <= int(spec.draft_token_ids.max()) \
+            < meta.vocab_size:
+        raise ValueError(f"draft token ids must lie in [0, {meta.vocab_size}), got "
+                         f"{spec.draft_token_ids.min().item()}..{spec.draft_token_ids.max().item()}")
+    if tuple(logits.shape) != (num_drafts + num_requests, meta.vocab_size):
+        raise ValueError(f"logits must have shape ({num_drafts + num_requests}, {meta.vocab_size}) "
+                         f"(drafts + requests, vocab), got {tuple(logits.shape)}")
+    if draft_probs is None:
+        return
+    if len(draft_probs) != num_requests:
+        raise ValueError(f"draft_probs needs one entry per request ({num_requests}), got {len(draft_probs)}")
+    for i, (probs, n) in enumerate(zip(draft_probs, spec.num_draft_tokens)):
+        if probs is not None and tuple(probs.shape) != (n, meta.vocab_size):
+            raise ValueError(f"draft_probs[{i}] must have shape ({n}, {meta.vocab_size}) or be None, "
+                             f"got {tuple(probs.shape)}")

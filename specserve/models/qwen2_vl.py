@@ -74,7 +74,8 @@ def mrope_settings(text_config: dict) -> tuple[float, list[int]]:
     if unsupported:
         raise ValueError(f"rope type {sorted(unsupported)} is not supported for Qwen2-VL (supported: default, mrope)")
     theta = params.get("rope_theta") or scaling.get("rope_theta") or text_config.get("rope_theta")
-    section = scaling.get("mrope_section") or params.get("mrope_section") or DEFAULT_MROPE_SECTION
+    section = (text_config.get("mrope_section") or scaling.get("mrope_section") or params.get("mrope_section")
+               or DEFAULT_MROPE_SECTION)  # a top-level mrope_section is what text_decoder_config writes
     return float(theta or DEFAULT_ROPE_THETA), list(section)
 
 

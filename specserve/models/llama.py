@@ -64,10 +64,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+class TorchLinear:
+    """Plain F.linear, for weights in reduced precision (bf16/fp16), where FastLinear's fp32 paths don't apply."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """The linear-layer implementation used for every projection (the fastest measured on the host)."""
     from specserve.models.linear import FastLinear
 
+    if weight.dtype != torch.float32:
+        return TorchLinear(weight, bias)
     return FastLinear(weight, bias)
 
 

@@ -15,7 +15,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/specserve generate "Write a short poem about the sea." --max-tokens 96 --temperature 0 --chat
+	$(VENV)/bin/specserve generate --chat --max-tokens 128 --temperature 0 \
+		--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' \
+		"Fix the typos and return the corrected text only: Teh quick brown fox jumsp over the lazy dog. Teh dog sleeps all day long in teh warm sun, and the fox runs arround the feild."
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q

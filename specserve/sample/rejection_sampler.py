@@ -15,8 +15,8 @@ Each request emits its accepted drafts plus one recovered or bonus token: 1 to n
 distributed exactly as the target alone would sample it (the paper's Theorem 1).
 
 Draw order of a seeded request with n drafts, all from its own generator: n uniforms
-(`torch.rand(n)`, all n even when an early draft is rejected), then one vector of V Exp(1) values for
-the exponential race that picks the recovered or bonus token (`random_sample`). Batch-mates never touch
+(`torch.rand(n)`, all n even when an early draft is rejected), then one float64 uniform for the
+inverse-CDF draw that picks the recovered or bonus token (`random_sample`). Batch-mates never touch
 it, and with n = 0 the draw is exactly the Sampler's, so such a request gets the Sampler's token.
 """
 
@@ -132,7 +132,7 @@ def _q_at_drafts(draft_probs: list[torch.Tensor | None] | None, drafts: torch.Te
 def _turn_into_recovery(final_dist: torch.Tensor, num_accepted: torch.Tensor, layout: _Layout,
                         drafts: torch.Tensor, draft_probs: list[torch.Tensor | None] | None) -> None:
     """In place, the rows of final_dist [B, V] (p at the next position) of requests that rejected a
-    draft become max(p - q, 0) at that draft. Left unnormalised: the exponential race is scale-free."""
+    draft become max(p - q, 0) at that draft. Left unnormalised: random_sample scales by each row's total mass."""
     rejected = (num_accepted < layout.num_drafts).nonzero().squeeze(1)  # [R] requests
     if not len(rejected):
         return

@@ -299,12 +299,12 @@ def test_request_without_drafts_matches_the_sampler_for_the_same_seed():
         assert got.token_ids[0] == [expected.sampled_token_ids.item()]
 
 
-def test_seeded_draw_order_is_n_uniforms_then_one_exponential_race():
+def test_seeded_draw_order_is_n_uniforms_then_one_inverse_cdf_uniform():
     gen = torch.Generator().manual_seed(77)
     verify([[1, 2, 3]], torch.randn(4, V), [SamplingParams(seed=77)], gens=[gen])
     ref = torch.Generator().manual_seed(77)
     torch.rand(3, generator=ref)
-    torch.empty(V).exponential_(generator=ref)
+    torch.rand((), dtype=torch.float64, generator=ref)
     assert torch.equal(gen.get_state(), ref.get_state())
 
 

@@ -50,6 +50,9 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int = 4
+    # specserve's own: pick each request's draft length (<= num_speculative_tokens) from its recent
+    # acceptance and the measured cost of verification; False drafts num_speculative_tokens always.
+    adaptive_draft_length: bool = True
     # ngram
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None

@@ -16,6 +16,7 @@ from specserve.engine.scheduler import Scheduler, SchedulerConfig
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
 from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import make_proposer
 from specserve.tokenizer import load_tokenizer
 from specserve.worker.model_runner import ModelRunner
@@ -76,7 +77,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, num_blocks, config.block_size, set(self.eos_token_ids), self.model.config.vocab_size,
             self.max_model_len, proposer,
-            self.spec_config.num_speculative_tokens if self.spec_config else 0)
+            self.spec_config.num_speculative_tokens if self.spec_config else 0,
+            DraftLengthPolicy(adaptive=self.spec_config.adaptive_draft_length if self.spec_config else False))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
 

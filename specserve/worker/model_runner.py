@@ -14,6 +14,7 @@ from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection_sampler import RejectionSampler
 from specserve.sample.sampler import Sampler
 from specserve.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
+from specserve.spec_decode.policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import DraftInputs
 from specserve.worker.attention import AttentionMetadata, build_attention_metadata
 
@@ -69,7 +70,8 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, eos_token_ids: set[int], vocab_size: int,
-                 max_model_len: int, proposer=None, num_speculative_tokens: int = 0) -> None:
+                 max_model_len: int, proposer=None, num_speculative_tokens: int = 0,
+                 draft_policy: DraftLengthPolicy | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = set(eos_token_ids)
@@ -77,6 +79,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.draft_policy = draft_policy or DraftLengthPolicy()
         self.uses_mrope = getattr(model, "uses_mrope", False)
         shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
@@ -107,6 +110,7 @@ class ModelRunner:
             self.draft_probs.pop(rid, None)
             if rid not in sched.preempted_req_ids:
                 self.finished_since_draft.add(rid)
+                self.draft_policy.forget(rid)
             if rid not in sched.preempted_req_ids:
                 self.generators.pop(rid, None)
         for new in sched.scheduled_new_reqs:
@@ -201,6 +205,8 @@ class ModelRunner:
             out = self.rejection_sampler(batch.spec_decode_metadata, logits, meta,
                                          probs if any(p is not None for p in probs) else None)
             tokens = out.token_ids
+            for rid, drafts, toks in zip(batch.sample_req_ids, batch.draft_token_ids, tokens):
+                self.draft_policy.record(rid, len(drafts), len(toks) - 1)
         for rid, toks in zip(batch.sample_req_ids, tokens):
             sampled[rid] = toks
             self.requests[rid].append(toks)
@@ -238,11 +244,12 @@ class ModelRunner:
         return {rid: d for rid, d in zip(inputs.req_ids, drafts.token_ids) if d}
 
     def _num_drafts(self, state: CachedRequestState) -> int:
-        """The engine's k, lowered (or turned off with 0) per request by SamplingParams."""
+        """The engine's k, lowered (or turned off with 0) per request by SamplingParams, then by the
+        draft-length policy from the request's recent acceptance."""
         k = getattr(state.sampling_params, "num_speculative_tokens", None)
         k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
         room = self.max_model_len - len(state.token_ids) - 1
-        return max(0, min(k, room))
+        return self.draft_policy.num_drafts(state.req_id, max(0, min(k, room)))
 
     def _build_draft_inputs(self, batch: InputBatch, sampled: dict[str, list[int]], hidden: torch.Tensor,
                             aux) -> DraftInputs:

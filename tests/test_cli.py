@@ -1,0 +1,33 @@
+"""The command line: flags, `generate` and the streaming `chat`."""
+import io
+
+from specserve.cli import build_parser, main, speculative_config
+
+
+def test_short_speculation_flags_lay_over_the_json():
+    args = build_parser().parse_args(["generate", "hi", "--speculative-config", '{"method": "suffix"}',
+                                      "--num-speculative-tokens", "6"])
+    assert speculative_config(args) == {"method": "suffix", "num_speculative_tokens": 6}
+    args = build_parser().parse_args(["generate", "hi", "--prompt-lookup-max", "3"])
+    assert speculative_config(args) == {"method": "ngram", "prompt_lookup_max": 3}
+    assert speculative_config(build_parser().parse_args(["generate", "hi"])) is None
+
+
+def test_generate_prints_text_and_speed(capsys):
+    code = main(["generate", "The capital of France is", "--max-tokens", "8", "--max-model-len", "256",
+                 "--speculative-method", "ngram"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "Paris" in out
+    assert "tok/s" in err and "time to first token" in err
+
+
+def test_bad_flags_give_a_clear_error(capsys):
+    assert main(["generate", "hi", "--temperature", "-1", "--max-model-len", "256"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_chat_streams_the_reply(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n\n"))
+    assert main(["chat", "--max-tokens", "16", "--max-model-len", "512"]) == 0
+    out, err = capsys.readouterr()
+    assert "Paris" in out and "tok/s" in err

@@ -10,35 +10,57 @@ kernel for its row count (number of tokens in the step):
   the input stays an ordinary strided tensor, no ``to_mkldnn()`` conversion)
 
 Both are exact fp32 (same products, different summation order: max relative error vs.
-``F.linear`` ~1e-6). The default ``torch`` path (``F.linear`` -> MKL sgemm) is 2-4x slower
-for these shapes on this class of CPU and is never picked automatically.
+``F.linear`` ~1e-6). The plain ``torch`` path (``F.linear`` -> MKL sgemm) ties at one row
+for small layers but is 3x slower for lm_head and 2-4x slower from 2 rows up, so it is
+never picked automatically.
 
-Why (``.venv/bin/python benchmarks/matmul_backends.py``, AMD EPYC Zen 5, 2 vCPUs,
-torch 2.13 CPU, numpy 2.4 / OpenBLAS 0.3.31 "Haswell" kernels, OpenBLAS 1 thread;
-medians, ms per call, interleaved; torch threads 2 / 1 where it matters)::
+Memory: ``auto`` keeps the dense fp32 weight (shared with the caller's tensor when that is
+already contiguous fp32, e.g. a tied embedding) *and* a oneDNN-packed copy, i.e. up to 2x
+the fp32 weight bytes. ``backend="onednn"`` keeps only the packed copy; at one row it costs
+~nothing in a whole-model step (memory bound) but is 1.5-2.5x slower per cache-hot call.
 
-    shape      rows   F.linear   numpy(OpenBLAS)   oneDNN packed (2thr / 1thr)
-    qkv 960      1     0.036        0.031            0.030 / 0.048
-    o 576        1     0.030        0.025            0.049 / 0.049
-    down 576x1536 1    0.054        0.048            0.066 / 0.070
-    gate_up 3072 1     0.122        0.084            0.079 / 0.108
-    lm_head      1     7.40         4.05             3.96  / 4.73
-    qkv          2     0.068        0.121            0.032 / 0.045
-    qkv          8     0.114        0.139            0.047 / 0.067
-    gate_up      8     0.402        0.481            0.114 / 0.190
-    lm_head      8     13.0         11.5             4.28  / 5.99
-    lm_head     64     37.1         41.2             10.2  / 27.3 (t1 run)
+Why: ``.venv/bin/python benchmarks/matmul_backends.py`` (results in
+bench_results/matmul_backends.json). AMD EPYC Zen 5 (avx512, avx512_bf16, avx512_vnni, no
+AMX), 2 shared vCPUs, torch 2.13 CPU (MKL 2024.2, oneDNN 3.12), numpy 2.4 with
+scipy-openblas 0.3.31 (runs its "Haswell" AVX2 kernels on this CPU). Medians of interleaved
+rounds, ms per call, torch 1 thread, OpenBLAS 1 thread, weights cache-hot::
 
-At one row numpy ties or beats oneDNN on every shape (and does not need the OpenMP
-pool); from two rows up oneDNN wins by 2-4x. See bench_results/matmul_backends.json
-for the full table, the whole-model step and the thread-contention measurements.
+    shape            rows   F.linear(MKL)   numpy(OpenBLAS)   oneDNN packed
+    o 576x576          1       0.020           0.017            0.042
+    kv 192x576         1       0.0068          0.0065           0.018
+    qkv 960x576        1       0.032           0.029            0.046
+    gate_up 3072x576   1       0.137           0.092            0.132
+    down 576x1536      1       0.049           0.044            0.069
+    lm_head 49152x576  1      11.4             3.9              6.3
+    qkv                2       0.063           0.117            0.047
+    qkv                8       0.138           0.130            0.068
+    gate_up            8       0.535           0.477            0.214
+    down               8       0.444           0.415            0.099
+    lm_head            8      15.3            11.4              5.3
+    lm_head           64      50.5            36.7             21.5
+    lm_head          512     376             294              171
+
+With 2 torch threads (quiet machine) oneDNN gains 1.3-1.7x from 2 rows up (gate_up x8:
+0.114 vs 0.190 ms, lm_head x8: 4.3 vs 6.0 ms) and nothing at 1 row (bandwidth bound). The
+``to_mkldnn()`` input route (``torch._C._nn.mkldnn_linear``) costs 20-100% more than the
+prepacked ``_linear_pointwise`` call on a plain tensor; the packing batch-size hint does not
+matter except ``1`` (plain layout, slower from 2 rows), so weights are packed with ``None``.
+
+Whole-model linears (30 layers of distinct weights + lm_head = 538 MB fp32 streamed from
+DRAM per step, with rmsnorm/silu/residual torch ops in between; torch 1 thread): 1 row
+19-22 ms for auto/oneDNN (~28 GB/s, memory bound; numpy alone 21-25, F.linear 38), 8 rows
+27-39 ms (oneDNN; numpy 75, F.linear 96). bf16: 13-16 ms / 18-32 ms; int8: 8-9 ms / 11-20 ms.
 
 Threading: numpy's OpenBLAS runs its own pthread pool next to torch's OpenMP pool.
 With both at 2 threads on 2 cores, alternating calls make the two pools' spinning
-workers fight over the cores (measured 10-100x slowdowns, up to whole 4 ms
-scheduler ticks). The numpy path therefore limits OpenBLAS to 1 thread the first
-time it is used, unless the user set ``OPENBLAS_NUM_THREADS`` explicitly (see
-``limit_openblas_threads``).
+workers fight over the cores (whole-model step 0.9-1.4 s instead of ~22 ms). The numpy
+path therefore limits OpenBLAS to 1 thread the first time it is used, unless the user
+set ``OPENBLAS_NUM_THREADS`` explicitly (see ``limit_openblas_threads``). The 1-row
+numpy path also keeps decode steps out of OpenMP entirely, which matters on a shared
+machine: with torch at 2 threads and the default OpenMP spin-wait, every parallel
+region can stall for a scheduler tick when the other vCPU is busy (measured ~1 s per
+8-row step vs 39 ms with 1 thread). Thread counts are the caller's business; see the
+benchmark's ``passive`` config (OMP_WAIT_POLICY=passive) and torch.set_num_threads(1).
 
 Backend override: ``SPECSERVE_LINEAR_BACKEND`` in {auto, torch, numpy, onednn}
 (read when a FastLinear is constructed; ``auto`` is the default above), or the
@@ -47,11 +69,14 @@ Backend override: ``SPECSERVE_LINEAR_BACKEND`` in {auto, torch, numpy, onednn}
 Approximate (opt-in only, ``weight_dtype=``), both measured faster than any fp32 path:
 
 * ``torch.bfloat16``: oneDNN bf16 (avx512_bf16 brgemm), activations rounded to bf16,
-  fp32 output. ~2x faster at 1 row (lm_head 1.3-1.9 ms), relative error ~4e-3.
+  fp32 output. lm_head 2.2 ms at 1 row / 3.0 ms at 8 (vs 3.9 / 5.3 fp32); whole model
+  ~1.4x faster. Max relative error ~3e-3 per layer.
 * ``"int8"`` / ``torch.qint8``: fbgemm dynamic quantization, per-output-channel int8
-  weights, activations quantized per call (per-tensor uint8). Fastest (lm_head
-  ~0.5-1.1 ms at 1 row; whole model's linears ~3x faster than fp32), relative error
-  ~1e-2 -- changes greedy tokens; evaluate before use.
+  weights, activations quantized per call (per-tensor uint8; full range because this CPU
+  has VNNI). Fastest: lm_head 1.2 / 1.7 ms, whole model 2-2.5x faster than fp32. Max
+  relative error ~1e-2 per layer -- will change greedy tokens; evaluate before use.
+  (``torch._weight_int8pack_mm`` was 100x slower with fp32 activations; oneDNN fp16
+  ``linear_dynamic_fp16`` 400-500 ms for lm_head without avx512_fp16.)
 
 Inference only: weights are plain tensors (not Parameters), nothing builds an autograd
 graph, and inputs that require grad are rejected. No scratch buffers are shared

@@ -1,0 +1,447 @@
+"""`specserve bench latency`: one request at a time, per Spec-Bench category: time to first token and decode
+speed of specserve (plain and each speculative method) against transformers' generate and prompt lookup.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from specserve.bench.common import (
+    DEFAULT_DATASET, BenchPrompt, Stopwatch, environment_info, format_table, load_hf_model, median,
+    prompts_summary, read_specbench, render_prompts, safe_div, write_json)
+
+DEFAULT_OUTPUT = "bench_results/latency.json"
+DEFAULT_METHODS = "ngram,suffix"
+# num_speculative_tokens per method when --num-speculative-tokens is not given: tune here.
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "suffix": 8, "draft_model": 4}
+HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens, as in ANCHORS.md
+WARMUP_TOKENS = 16
+# Not a Spec-Bench question, so warming up leaves nothing in the prefix or suffix caches that a measured
+# prompt could reuse.
+WARMUP_MESSAGE = "Write two sentences about the sea."
+
+PLAIN, HF_PLAIN, HF_PROMPT_LOOKUP = "plain", "hf_plain", "hf_prompt_lookup"
+LABELS = {PLAIN: "specserve plain", "ngram": "specserve ngram", "suffix": "specserve suffix",
+          "draft_model": "specserve draft_model", HF_PLAIN: "transformers plain",
+          HF_PROMPT_LOOKUP: f"transformers prompt lookup ({HF_PROMPT_LOOKUP_TOKENS})"}
+
+
+@dataclass
+class RequestTiming:
+    """One prompt through one method: the numbers the per-category medians are taken over.
+
+    ttft_s: arrival to first token; decode_s: first token to last token; total_s: the whole request.
+    """
+
+    method: str
+    category: str
+    question_id: Any
+    num_prompt_tokens: int
+    ttft_s: float
+    decode_s: float
+    total_s: float
+    token_ids: list[int] = field(repr=False)
+    acceptance_length: float | None = None  # 1 + accepted / drafts (speculative methods)
+    spec_stats: dict = field(default_factory=dict)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Output tokens after the first over the time after the first."""
+        return safe_div(self.num_output_tokens - 1, self.decode_s) if self.num_output_tokens > 1 else float("nan")
+
+    @property
+    def e2e_tokens_per_s(self) -> float:
+        return safe_div(self.num_output_tokens, self.total_s)
+
+    def to_json(self) -> dict:
+        return {"method": self.method, "category": self.category, "question_id": self.question_id,
+                "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens,
+                "ttft_s": self.ttft_s, "decode_s": self.decode_s, "total_s": self.total_s,
+                "decode_tokens_per_s": self.decode_tokens_per_s, "e2e_tokens_per_s": self.e2e_tokens_per_s,
+                "acceptance_length": self.acceptance_length, **self.spec_stats}
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_parser(bench_sub) -> None:
+    from specserve.cli import add_engine_args
+
+    p = bench_sub.add_parser(
+        "latency", help="batch-1 latency per Spec-Bench category: specserve methods vs transformers",
+        description="One request at a time on the same Spec-Bench prompts per category (chat template, greedy, "
+                    "EOS ignored): time to first token, decode and end-to-end tokens/s and acceptance length "
+                    "of specserve plain and speculative decoding, transformers' generate and prompt lookup. "
+                    "transformers' time to first token is a separate 1-token generate of the same prompt; its "
+                    "decode tokens/s is (N-1) / (t_total - t_first_token).")
+    p.add_argument("--dataset", default=DEFAULT_DATASET, help="Spec-Bench JSONL (default: %(default)s)")
+    p.add_argument("--categories", default=None,
+                   help="comma-separated categories (default: every category in the dataset)")
+    p.add_argument("--prompts-per-category", type=int, default=4,
+                   help="the first N questions of each category, in file order (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="new tokens per request; EOS is ignored so every method makes exactly this many")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma-separated speculative methods to run besides plain decoding: ngram, suffix, "
+                        "draft_model (default: %(default)s)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help=f"k for every speculative method (default per method: {DEFAULT_NUM_SPECULATIVE_TOKENS})")
+    p.add_argument("--spec-config-json", type=json.loads, default=None,
+                   help='per-method speculative_config overrides, e.g. \'{"ngram": {"prompt_lookup_max": 3}}\'')
+    p.add_argument("--draft-model", default=None, help="HF folder or .gguf file for the draft_model method")
+    p.add_argument("--skip-hf", action="store_true", help="run specserve only")
+    p.add_argument("--output-json", default=DEFAULT_OUTPUT, help="where to write results (default: %(default)s)")
+    add_engine_args(p, speculation_flags=False)
+    p.set_defaults(max_num_seqs=1, func=cmd_latency)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.prompts_per_category < 1:
+        raise ValueError(f"--prompts-per-category must be >= 1, got {args.prompts_per_category}")
+    if args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be >= 2 (decode speed needs tokens after the first), "
+                         f"got {args.max_tokens}")
+    if args.speculative_config is not None:
+        raise ValueError("bench latency takes --methods and --spec-config-json, not --speculative-config")
+    spec_configs(args)  # refuses bad methods and keys before any model loads
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in (text or "").split(",") if m.strip()]
+    unknown = [m for m in methods if m not in DEFAULT_NUM_SPECULATIVE_TOKENS]
+    if unknown:
+        raise ValueError(f"--methods: unknown method(s) {', '.join(unknown)} "
+                         f"(allowed: {', '.join(DEFAULT_NUM_SPECULATIVE_TOKENS)})")
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"--methods lists a method twice: {text}")
+    return methods
+
+
+def spec_configs(args: argparse.Namespace) -> dict[str, dict]:
+    """Each speculative method's speculative_config: its default k (or --num-speculative-tokens), then the
+    method's entry in --spec-config-json; validated here so a typo fails before any model loads."""
+    from specserve.config import SpeculativeConfig
+
+    methods = parse_methods(args.methods)
+    overrides = args.spec_config_json or {}
+    if not isinstance(overrides, dict) or not all(isinstance(v, dict) for v in overrides.values()):
+        raise ValueError('--spec-config-json must map method names to dicts, e.g. {"ngram": {"prompt_lookup_max": 3}}')
+    extra = set(overrides) - set(methods)
+    if extra:
+        raise ValueError(f"--spec-config-json names method(s) not in --methods: {', '.join(sorted(extra))}")
+    configs = {}
+    for method in methods:
+        config = {"method": method,
+                  "num_speculative_tokens": args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS[method]}
+        if method == "draft_model":
+            if not args.draft_model and "model" not in overrides.get(method, {}):
+                raise ValueError("--methods draft_model needs --draft-model PATH")
+            config["model"] = args.draft_model
+        config.update(overrides.get(method, {}))
+        if config["method"] != method:
+            raise ValueError(f"--spec-config-json: the {method!r} entry cannot change its method")
+        SpeculativeConfig.from_dict(dict(config))
+        configs[method] = config
+    return configs
+
+
+def cmd_latency(args: argparse.Namespace) -> int:
+    check_args(args)
+    configs = spec_configs(args)
+    env = environment_info()
+    print(header_line(args, env, configs), flush=True)
+    rows = select_per_category(read_specbench(args.dataset), parse_categories(args.categories),
+                               args.prompts_per_category)
+    timings: list[RequestTiming] = []
+    prompts: list[BenchPrompt] = []
+    for method, config in [(PLAIN, None), *configs.items()]:
+        llm = load_specserve(args, method, config)
+        if not prompts:
+            prompts = render_prompts(llm.get_tokenizer(), rows)
+            warmup = render_prompts(llm.get_tokenizer(), [{"category": "warmup", "turns": [WARMUP_MESSAGE]}])[0]
+            pad_token_id = llm.get_tokenizer().eos_token_id
+        timings += run_specserve(llm, method, prompts, warmup, args.max_tokens)
+        del llm  # one engine in memory at a time
+        gc.collect()
+    if not args.skip_hf:
+        timings += run_transformers(args, prompts, warmup, pad_token_id)
+    env["load_average_1m_end"] = environment_info().get("load_average_1m")  # the machine may be shared
+    report = build_report(args, env, configs, prompts, timings)
+    print()
+    print(format_report(report))
+    path = write_json(args.output_json, report)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def header_line(args: argparse.Namespace, env: dict, configs: dict[str, dict]) -> str:
+    methods = ", ".join(f"{m} (k={c['num_speculative_tokens']})" for m, c in configs.items()) or "none"
+    return (f"specserve bench latency: model {args.model or 'default (SmolLM2-135M-Instruct GGUF)'}, "
+            f"{args.prompts_per_category} Spec-Bench prompts per category, {args.max_tokens} new tokens each, "
+            f"batch 1, greedy, EOS ignored; speculative methods: {methods}\n"
+            f"torch {env['torch']} with {env['torch_num_threads']} threads on {env['cpu_count']} CPUs "
+            f"({env['cpu']}), load average {env.get('load_average_1m', '?')}; "
+            f"specserve {env['specserve']}, transformers {env['transformers']}")
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def parse_categories(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    categories = [c.strip() for c in text.split(",") if c.strip()]
+    if not categories:
+        raise ValueError("--categories is empty")
+    return categories
+
+
+def select_per_category(rows: Sequence[dict], categories: Sequence[str] | None, per_category: int) -> list[dict]:
+    """The first `per_category` rows of each category, categories in the order given (default: order of
+    first appearance in the dataset)."""
+    by_category: dict[str, list[dict]] = {}
+    for row in rows:
+        by_category.setdefault(row["category"], []).append(row)
+    categories = list(by_category) if categories is None else list(categories)
+    unknown = [c for c in categories if c not in by_category]
+    if unknown:
+        raise ValueError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)} "
+                         f"(the dataset has: {', '.join(by_category)})")
+    short = [f"{c} ({len(by_category[c])})" for c in categories if len(by_category[c]) < per_category]
+    if short:
+        raise ValueError(f"--prompts-per-category {per_category} but these categories have fewer: {', '.join(short)}")
+    return [row for c in dict.fromkeys(categories) for row in by_category[c][:per_category]]
+
+
+# ---------------------------------------------------------------- specserve
+
+
+def load_specserve(args: argparse.Namespace, method: str, spec_config: dict | None):
+    from specserve.cli import engine_kwargs
+    from specserve.llm import LLM
+
+    kwargs = engine_kwargs(args)
+    kwargs["speculative_config"] = spec_config
+    with Stopwatch() as sw:
+        llm = LLM(**kwargs)
+    _log(f"{LABELS[method]}: loaded in {sw.seconds:.1f} s")
+    return llm
+
+
+def run_specserve(llm, method: str, prompts: list[BenchPrompt], warmup: BenchPrompt, max_tokens: int
+                  ) -> list[RequestTiming]:
+    from specserve.sampling_params import SamplingParams
+
+    llm.generate([warmup.as_engine_prompt()], SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS,
+                                                             ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    timings = []
+    for prompt in prompts:
+        # Every request prefills its whole prompt, as transformers does (no prefix cache there).
+        llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+        with Stopwatch() as sw:
+            out = llm.generate([prompt.as_engine_prompt()], params, use_tqdm=False)[0]
+        if out.error:
+            raise RuntimeError(f"{LABELS[method]} failed on question {prompt.question_id}: {out.error}")
+        timings.append(_specserve_timing(method, prompt, out, sw.seconds))
+    _log(f"{LABELS[method]}: {len(prompts)} prompts in {sum(t.total_s for t in timings):.1f} s")
+    return timings
+
+
+def _specserve_timing(method: str, prompt: BenchPrompt, out, total_s: float) -> RequestTiming:
+    m = out.metrics
+    spec_stats = ({"num_drafts": m.num_drafts, "num_draft_tokens": m.num_draft_tokens,
+                   "num_accepted_tokens": m.num_accepted_tokens} if method != PLAIN else {})
+    return RequestTiming(method, prompt.category, prompt.question_id, len(prompt.token_ids),
+                         ttft_s=m.first_token_time - m.arrival_time, decode_s=m.last_token_time - m.first_token_time,
+                         total_s=total_s, token_ids=list(out.outputs[0].token_ids),
+                         acceptance_length=m.mean_acceptance_length, spec_stats=spec_stats)
+
+
+# ---------------------------------------------------------------- transformers
+
+
+def run_transformers(args: argparse.Namespace, prompts: list[BenchPrompt], warmup: BenchPrompt,
+                     pad_token_id: int) -> list[RequestTiming]:
+    from specserve.models.loader import default_model_path
+
+    with Stopwatch() as sw:
+        model = load_hf_model(args.model or default_model_path(), args.dtype)
+    _log(f"transformers: loaded in {sw.seconds:.1f} s")
+    timings = []
+    for method, kwargs in ((HF_PLAIN, {}), (HF_PROMPT_LOOKUP, {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS})):
+        generate = _hf_generate_fn(model, pad_token_id, kwargs)
+        generate(warmup.token_ids, WARMUP_TOKENS)
+        timings += [hf_timing(method, prompt, generate, args.max_tokens) for prompt in prompts]
+        _log(f"{LABELS[method]}: {len(prompts)} prompts in "
+             f"{sum(t.total_s + t.ttft_s for t in timings if t.method == method):.1f} s")
+    return timings
+
+
+def _hf_generate_fn(model, pad_token_id: int, kwargs: dict) -> Callable[[list[int], int], list[int]]:
+    """A greedy batch-1 `generate` making exactly `max_tokens` new tokens (min_new_tokens keeps EOS out)."""
+    import torch
+
+    def generate(token_ids: list[int], max_tokens: int) -> list[int]:
+        input_ids = torch.tensor([token_ids], dtype=torch.long)  # [1, num_prompt_tokens]
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                 pad_token_id=pad_token_id, **kwargs)
+        return out[0, len(token_ids):].tolist()
+
+    return generate
+
+
+def hf_timing(method: str, prompt: BenchPrompt, generate: Callable[[list[int], int], list[int]],
+              max_tokens: int) -> RequestTiming:
+    """transformers has no per-token timestamps: time to first token is a separate 1-token generate of the
+    same prompt, and decode time is the full generate's time less that."""
+    with Stopwatch() as first:
+        generate(prompt.token_ids, 1)
+    with Stopwatch() as full:
+        token_ids = generate(prompt.token_ids, max_tokens)
+    return RequestTiming(method, prompt.category, prompt.question_id, len(prompt.token_ids), ttft_s=first.seconds,
+                         decode_s=full.seconds - first.seconds, total_s=full.seconds, token_ids=token_ids)
+
+
+# ---------------------------------------------------------------- report
+
+
+def reference_method(method: str) -> str | None:
+    """Whose greedy tokens a method must reproduce: the plain decoding of the same engine."""
+    if method in (PLAIN, HF_PLAIN):
+        return None
+    return HF_PLAIN if method.startswith("hf_") else PLAIN
+
+
+def summarize(timings: list[RequestTiming]) -> list[dict]:
+    """One row per (category, method): medians over the category's prompts, decode-speed ratios to specserve
+    plain and transformers plain (ratios of medians), and greedy equivalence with the reference method."""
+    methods = list(dict.fromkeys(t.method for t in timings))
+    categories = list(dict.fromkeys(t.category for t in timings))
+    tokens = {(t.method, t.question_id): t.token_ids for t in timings}
+    rows = []
+    for category in categories:
+        decode = {m: median(t.decode_tokens_per_s for t in timings if t.method == m and t.category == category)
+                  for m in methods}
+        for method in methods:
+            group = [t for t in timings if t.method == method and t.category == category]
+            row = {"category": category, "method": method, "num_prompts": len(group),
+                   "ttft_median_s": median(t.ttft_s for t in group),
+                   "decode_tokens_per_s_median": decode[method],
+                   "e2e_tokens_per_s_median": median(t.e2e_tokens_per_s for t in group),
+                   "acceptance_length_median": _median_or_none(t.acceptance_length for t in group),
+                   "decode_vs_specserve_plain": safe_div(decode[method], decode.get(PLAIN, float("nan"))),
+                   "decode_vs_transformers_plain": safe_div(decode[method], decode.get(HF_PLAIN, float("nan")))}
+            row.update(greedy_check(group, tokens, reference_method(method)))
+            rows.append(row)
+    return rows
+
+
+def _median_or_none(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return median(values) if values else None
+
+
+def greedy_check(group: list[RequestTiming], tokens: dict, reference: str | None) -> dict:
+    """How many of the group's outputs equal the reference's for the same prompt, and where each mismatch
+    starts (None where there is no reference or it was not run)."""
+    pairs = [(t, tokens.get((reference, t.question_id))) for t in group]
+    pairs = [(t, ref) for t, ref in pairs if ref is not None]
+    if reference is None or not pairs:
+        return {"greedy_reference": None, "greedy_identical": None, "greedy_compared": 0, "greedy_mismatches": []}
+    mismatches = [{"question_id": t.question_id, "first_diff": _first_diff(t.token_ids, ref)}
+                  for t, ref in pairs if t.token_ids != ref]
+    return {"greedy_reference": reference, "greedy_identical": len(pairs) - len(mismatches),
+            "greedy_compared": len(pairs), "greedy_mismatches": mismatches}
+
+
+def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def geometric_mean(values) -> float:
+    values = [v for v in values if v is not None and v == v and v > 0]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
+
+
+def summarize_methods(rows: list[dict]) -> list[dict]:
+    """Per method, over categories: geometric means of the ratios, and the greedy check's totals."""
+    summary = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        acceptance = [r["acceptance_length_median"] for r in mine if r["acceptance_length_median"] is not None]
+        summary.append({
+            "method": method, "num_categories": len(mine),
+            "decode_vs_specserve_plain_geomean": geometric_mean(r["decode_vs_specserve_plain"] for r in mine),
+            "decode_vs_transformers_plain_geomean": geometric_mean(r["decode_vs_transformers_plain"] for r in mine),
+            "ttft_median_s_geomean": geometric_mean(r["ttft_median_s"] for r in mine),
+            "acceptance_length_mean": sum(acceptance) / len(acceptance) if acceptance else None,
+            "greedy_identical": sum(r["greedy_identical"] or 0 for r in mine),
+            "greedy_compared": sum(r["greedy_compared"] for r in mine)})
+    return summary
+
+
+def build_report(args: argparse.Namespace, env: dict, configs: dict[str, dict], prompts: list[BenchPrompt],
+                 timings: list[RequestTiming]) -> dict:
+    rows = summarize(timings)
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    mismatches = [{"category": r["category"], "method": r["method"], **m}
+                  for r in rows for m in r["greedy_mismatches"]]
+    return {"benchmark": "latency", "settings": settings, "environment": env,
+            "speculative_configs": configs, "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS,
+            "timing_notes": "specserve: from RequestMetrics (ttft = first_token - arrival, decode = last_token - "
+                            "first_token); transformers: ttft = a separate 1-token generate of the same prompt, "
+                            "decode = full generate - that",
+            "prompts": prompts_summary(prompts), "per_category": rows, "summary": summarize_methods(rows),
+            "greedy_mismatches": mismatches, "per_request": [t.to_json() for t in timings]}
+
+
+def format_report(report: dict) -> str:
+    """The per-category table, the per-method summary, and every greedy mismatch."""
+    headers = ["category", "method", "TTFT ms", "decode tok/s", "e2e tok/s", "accept len", "vs plain",
+               "vs HF plain", "greedy = ref"]
+    rows = [[r["category"], LABELS.get(r["method"], r["method"]), r["ttft_median_s"] * 1000,
+             r["decode_tokens_per_s_median"], r["e2e_tokens_per_s_median"], r["acceptance_length_median"],
+             _ratio(r["decode_vs_specserve_plain"]), _ratio(r["decode_vs_transformers_plain"]), _greedy_cell(r)]
+            for r in report["per_category"]]
+    summary_headers = ["method", "decode vs plain (geomean)", "decode vs HF plain (geomean)", "TTFT ms (geomean)",
+                       "accept len (mean)", "greedy = ref"]
+    summary = [[LABELS.get(s["method"], s["method"]), _ratio(s["decode_vs_specserve_plain_geomean"]),
+                _ratio(s["decode_vs_transformers_plain_geomean"]), s["ttft_median_s_geomean"] * 1000,
+                s["acceptance_length_mean"],
+                f"{s['greedy_identical']}/{s['greedy_compared']}" if s["greedy_compared"] else None]
+               for s in report["summary"]]
+    lines = ["Medians over each category's prompts; ratios are of decode tok/s; 'greedy = ref' counts outputs "
+             "identical to the same engine's plain decoding.", format_table(headers, rows), "",
+             "Summary over categories:", format_table(summary_headers, summary)]
+    for m in report["greedy_mismatches"]:
+        lines.append(f"GREEDY MISMATCH: {LABELS.get(m['method'], m['method'])}, {m['category']} question "
+                     f"{m['question_id']}: first differs from {LABELS[reference_method(m['method'])]} at output "
+                     f"token {m['first_diff']}")
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str | None:
+    return None if value is None or value != value else f"{value:.2f}x"
+
+
+def _greedy_cell(row: dict) -> str | None:
+    if not row["greedy_compared"]:
+        return None
+    cell = f"{row['greedy_identical']}/{row['greedy_compared']}"
+    return cell if row["greedy_identical"] == row["greedy_compared"] else cell + " MISMATCH"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -11,7 +11,7 @@ from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import RequestOutput
-from specserve.engine.request import Request, RequestStatus
+from specserve.engine.request import Request, RequestStatus, SpecDecodeStats
 from specserve.engine.scheduler import Scheduler, SchedulerConfig
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class EngineMetrics:
-    """Engine-wide counters since start (speculation adds its own in get_metrics)."""
+class EngineMetrics(SpecDecodeStats):
+    """Engine-wide counters since start; the speculation counters come from SpecDecodeStats."""
 
     num_requests_finished: int = 0
     num_prompt_tokens: int = 0
@@ -34,23 +34,6 @@ class EngineMetrics:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def record_drafts(self, num_draft: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_draft:
-            self.accepted_per_position += [0] * (num_draft - len(self.accepted_per_position))
-        for pos in range(num_accepted):
-            self.accepted_per_position[pos] += 1
-
-    @property
-    def mean_acceptance_length(self) -> float | None:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
 class LLMEngine:
@@ -181,7 +164,7 @@ class LLMEngine:
         finished = self.scheduler.update_from_output(sched, out.sampled_token_ids, out.spec_token_ids)
         self._count(finished, sum(len(t) for t in out.sampled_token_ids.values()))
         for rid, drafts in sched.scheduled_spec_decode_tokens.items():
-            self.metrics.record_drafts(len(drafts), len(out.sampled_token_ids.get(rid, ())) - 1)
+            self.metrics.record(len(drafts), len(out.sampled_token_ids.get(rid, ())) - 1)
         return self._make_outputs(running, out.logprobs)
 
     def _make_outputs(self, running: dict[str, Request], logprobs) -> list[RequestOutput]:

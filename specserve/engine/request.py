@@ -38,8 +38,8 @@ _FINISH_REASONS = {
 
 
 @dataclass
-class SpecDecodeRequestStats:
-    """Per-request speculation counters (mean acceptance length = 1 + accepted / drafts)."""
+class SpecDecodeStats:
+    """Speculation counters, per request and engine-wide (mean acceptance length = 1 + accepted / drafts)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -54,6 +54,10 @@ class SpecDecodeRequestStats:
             self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
         for pos in range(num_accepted):
             self.accepted_per_position[pos] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
 class Request:
@@ -82,7 +86,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
-        self.spec_stats = SpecDecodeRequestStats()
+        self.spec_stats = SpecDecodeStats()
         # Stop conditions the scheduler checks token by token (stop strings are the detokenizer's).
         self.max_tokens = max_tokens if max_tokens is not None else getattr(sampling_params, "max_tokens", None)
         self.min_tokens = getattr(sampling_params, "min_tokens", 0)

@@ -107,3 +107,8 @@ def test_chat_renders_the_template(llm):
                    SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
     assert out.prompt.startswith("<|im_start|>system")
     assert "Paris" in out.outputs[0].text
+
+
+def test_kv_cache_too_small_for_one_sequence_says_how_much_is_needed():
+    with pytest.raises(ValueError, match=r"needs [0-9.]+ MiB"):
+        LLM(max_model_len=1024, kv_cache_memory_bytes=1 << 20)

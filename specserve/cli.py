@@ -11,7 +11,10 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
     """Engine options; speculation_flags=False leaves out the short speculation flags (for commands
     that define their own)."""
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="bfloat16: bf16 linear weights with fp32 activations (faster, approximate)")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: dynamic int8 linear weights (fastest, approximate)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -58,7 +61,8 @@ def speculative_config(args) -> dict | None:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    return dict(model=args.model, dtype=args.dtype, quantization=getattr(args, "quantization", None),
+                max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, speculative_config=speculative_config(args))
 

@@ -10,7 +10,10 @@ _DTYPES = ("float32", "bfloat16", "float16", "auto")
 class EngineConfig:
     model: str | None = None  # HF folder or .gguf file; None = the default SmolLM2 GGUF
     tokenizer: str | None = None  # defaults to the model's own
-    dtype: str = "auto"  # auto = float32 on CPU
+    # auto/float32: exact fp32. bfloat16: linear weights stored in bf16 (oneDNN), fp32 activations and KV.
+    # float16: the whole model in fp16 (plain F.linear).
+    dtype: str = "auto"
+    quantization: str | None = None  # "int8": dynamic int8 linear weights (fbgemm), approximate
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -25,6 +28,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -37,8 +42,16 @@ class EngineConfig:
     def torch_dtype(self):
         import torch
 
-        return {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16}[self.dtype]
+        return torch.float16 if self.dtype == "float16" else torch.float32
+
+    @property
+    def linear_weight_dtype(self):
+        """How linear weights are stored: None (as torch_dtype), torch.bfloat16 or "int8"."""
+        import torch
+
+        if self.quantization == "int8":
+            return "int8"
+        return torch.bfloat16 if self.dtype == "bfloat16" else None
 
 
 _SPEC_METHODS = ("ngram", "suffix", "draft_model")

@@ -112,3 +112,9 @@ def test_chat_renders_the_template(llm):
 def test_kv_cache_too_small_for_one_sequence_says_how_much_is_needed():
     with pytest.raises(ValueError, match=r"needs [0-9.]+ MiB"):
         LLM(max_model_len=1024, kv_cache_memory_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("kwargs", [{"dtype": "bfloat16"}, {"quantization": "int8"}])
+def test_reduced_precision_weights_still_answer(kwargs):
+    out = LLM(max_model_len=256, **kwargs).generate(["The capital of France is"], GREEDY, use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text

@@ -42,7 +42,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         loaded = load_model_weights(config.model, dtype=config.torch_dtype)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.model = build_model(loaded.config, loaded.state_dict, dtype=config.torch_dtype)
+        self.model = build_model(loaded.config, loaded.state_dict, dtype=config.torch_dtype,
+                                 weight_dtype=config.linear_weight_dtype)
         self.hf_config = loaded.config
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_kv_blocks()
@@ -55,7 +56,8 @@ class LLMEngine:
         proposer = None
         if self.spec_config is not None:
             proposer = make_proposer(self.spec_config, self.model, dict(
-                dtype=config.torch_dtype, block_size=config.block_size, num_blocks=num_blocks,
+                dtype=config.torch_dtype, weight_dtype=config.linear_weight_dtype,
+                block_size=config.block_size, num_blocks=num_blocks,
                 max_model_len=self.max_model_len))
         self.runner = ModelRunner(
             self.model, num_blocks, config.block_size, set(self.eos_token_ids), self.model.config.vocab_size,

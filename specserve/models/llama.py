@@ -74,29 +74,35 @@ class TorchLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """The linear-layer implementation used for every projection (the fastest measured on the host)."""
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weight_dtype=None):
+    """The linear-layer implementation used for every projection (the fastest measured on the host).
+
+    weight_dtype None keeps exact fp32; torch.bfloat16 or "int8" store the weight that way (oneDNN bf16,
+    fbgemm dynamic int8) with fp32 activations: fewer bytes per decode step, approximate results.
+    """
     from specserve.models.linear import FastLinear
 
     if weight.dtype != torch.float32:
         return TorchLinear(weight, bias)
-    return FastLinear(weight, bias)
+    return FastLinear(weight, bias, weight_dtype=weight_dtype)
 
 
 class DecoderLayer:
-    def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], prefix: str,
+                 weight_dtype=None) -> None:
         w = lambda name: weights[prefix + name]  # noqa: E731
         b = lambda name: weights.get(prefix + name)  # noqa: E731
+        make = lambda weight, bias=None: make_linear(weight, bias, weight_dtype)  # noqa: E731
         self.cfg = cfg
         qkv_bias = None
         if cfg.attention_bias:
             qkv_bias = torch.cat([b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"), b("self_attn.v_proj.bias")])
-        self.qkv = make_linear(
+        self.qkv = make(
             torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
             qkv_bias)
-        self.o_proj = make_linear(w("self_attn.o_proj.weight"), b("self_attn.o_proj.bias"))
-        self.gate_up = make_linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
-        self.down = make_linear(w("mlp.down_proj.weight"))
+        self.o_proj = make(w("self_attn.o_proj.weight"), b("self_attn.o_proj.bias"))
+        self.gate_up = make(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
+        self.down = make(w("mlp.down_proj.weight"))
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
         self.q_norm = b("self_attn.q_norm.weight")
@@ -133,17 +139,19 @@ class LlamaForCausalLM:
     """The decoder plus its LM head; `forward` returns final hidden states, `compute_logits` the logits."""
 
     def __init__(self, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 aux_hidden_layers: tuple[int, ...] = ()) -> None:
+                 aux_hidden_layers: tuple[int, ...] = (), weight_dtype=None) -> None:
+        """dtype: activations and KV cache; weight_dtype: how linear weights are stored (see make_linear)."""
         cfg = DecoderConfig.from_hf(hf_config)
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (supported: silu)")
         self.config = cfg
         self.dtype = dtype
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
+        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", weight_dtype)
+                       for i in range(cfg.num_hidden_layers)]
         self.norm = weights["model.norm.weight"]
         lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights.get("lm_head.weight", self.embed_tokens)
-        self.lm_head = make_linear(lm_head)
+        self.lm_head = make_linear(lm_head, None, weight_dtype)
         self.rotary = self._make_rotary(cfg, dtype)
         # Layers whose outputs EAGLE-3 reads; empty means no aux hidden states.
         self.aux_hidden_layers = tuple(aux_hidden_layers)

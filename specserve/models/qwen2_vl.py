@@ -125,10 +125,11 @@ class Qwen2VLForCausalLM(LlamaForCausalLM):
     uses_mrope = True
 
     def __init__(self, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 aux_hidden_layers: tuple[int, ...] = ()) -> None:
+                 aux_hidden_layers: tuple[int, ...] = (), weight_dtype=None) -> None:
         text = text_decoder_config(hf_config)
         self.mrope_section = text["mrope_section"]  # read by _make_rotary, which the base constructor calls
-        super().__init__(text, text_decoder_weights(weights), dtype=dtype, aux_hidden_layers=aux_hidden_layers)
+        super().__init__(text, text_decoder_weights(weights), dtype=dtype, aux_hidden_layers=aux_hidden_layers,
+                         weight_dtype=weight_dtype)
 
     def _make_rotary(self, cfg: DecoderConfig, dtype: torch.dtype) -> MRotaryEmbedding:
         return MRotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, self.mrope_section,

@@ -168,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.bench import add_bench_parser
 
     add_bench_parser(sub)
+    from specserve.server.api_server import add_serve_parser
 
+    add_serve_parser(sub)
     return parser
 
 

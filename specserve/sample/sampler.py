@@ -190,7 +190,8 @@ def _top_k_top_p_partial(logits: torch.Tensor, top_k: torch.Tensor | None, top_p
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each candidate
     if bool((mass_before[:, -1] < top_p).any()):
         return None  # the kept set may extend past the candidates
-    last_kept = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True) - 1  # [B, 1]
+    # The most likely token always stays (also when p underflows to 0 or the logits hold inf/NaN).
+    last_kept = ((mass_before < top_p[:, None]).sum(dim=-1, keepdim=True) - 1).clamp_(min=0)  # [B, 1]
     threshold = values.gather(1, last_kept)
     return logits.masked_fill(logits < threshold, _NEG_INF)
 

@@ -232,3 +232,12 @@ def test_expand_rejects_wrong_number_of_requests():
 def test_logits_shape_must_match_metadata():
     with pytest.raises(ValueError, match="logits must have shape"):
         Sampler()(torch.zeros(2, V + 1), build([SamplingParams()] * 2))
+
+
+def test_top_p_keeps_the_top_token_when_p_underflows_or_logits_overflow():
+    from specserve.sample.sampler import _apply_top_k_top_p
+
+    logits = torch.randn(2, 4096)
+    logits[1, 7] = float("inf")
+    out = _apply_top_k_top_p(logits, None, torch.tensor([5e-324, 0.5]))
+    assert torch.isfinite(out[0]).sum() >= 1 and out[0].argmax() == logits[0].argmax()

@@ -1,0 +1,264 @@
+"""The OpenAI wire format (completions, chat completions, models, errors) as pydantic models, with vLLM's
+extra sampling fields; requests turn themselves into `SamplingParams`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from specserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# torch.Generator.manual_seed takes anything in [-2^63, 2^64).
+_SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+MAX_N = 128
+# Sampling runs in float32: a top_p that rounds to 0 or a repetition penalty that overflows the logits breaks
+# it, so the server takes these narrower ranges than SamplingParams (top_p this small is greedy anyway).
+MIN_TOP_P = 1e-6
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+
+
+class OpenAIModel(BaseModel):
+    # Unknown fields are ignored (OpenAI clients send e.g. `store`, `metadata`); NaN and inf are refused.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    error: ErrorInfo
+
+
+# ------------------------------------------------------------------------------------------- requests
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields both endpoints share: OpenAI's, then vLLM's extras."""
+
+    model: str | None = Field(None, description="a served model name; omitted = the first one")
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, description="default 1.0; 0 = greedy")
+    top_p: float | None = Field(None, ge=MIN_TOP_P, le=1)
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 = no top-k")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    num_speculative_tokens: int | None = Field(
+        None, ge=0, description="draft tokens per step for this request: 0 = no speculation, "
+                                "omitted = the server's speculative_config")
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams keyword arguments common to both endpoints (None = SamplingParams' default)."""
+        kwargs = dict(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=self.stop,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, num_speculative_tokens=self.num_speculative_tokens)
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[Annotated[int, Field(ge=0)]], list[list[Annotated[int, Field(ge=0)]]]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, description="not supported beyond n")
+    suffix: str | None = Field(None, description="not supported")
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        return SamplingParams(**self.sampling_kwargs(), max_tokens=max_tokens, logprobs=self.logprobs)
+
+
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict:
+        """The message as chat templates expect it: text parts joined, developer shown as system."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or "", "name": self.name}
+
+
+class ResponseFormat(OpenAIModel):
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: use max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'}")
+    tools: list[dict] | None = Field(None, description="not supported: must be empty")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(**self.sampling_kwargs(), max_tokens=max_tokens, logprobs=num_logprobs)
+
+
+# ------------------------------------------------------------------------------------------- responses
+
+
+class SpeculationUsage(OpenAIModel):
+    """This request's speculative decoding: drafts verified, tokens drafted and accepted."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float
+    mean_acceptance_length: float
+
+
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    speculation: SpeculationUsage | None = None
+
+
+class CompletionLogprobs(OpenAIModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description="the stop string or token id that ended it")
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(OpenAIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(OpenAIModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(OpenAIModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler):
+        # A delta carries only what changed: the role once, then content.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(OpenAIModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "specserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,93 @@
+"""Test helpers: a real `specserve serve` subprocess on a free loopback port, and /metrics parsing."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+STARTUP_TIMEOUT_S = 180  # model load on two busy cores
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m specserve.cli serve ...` in a subprocess; `url` is its base URL once /health answers."""
+
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="specserve-server-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(self.port), "--log-level", "warning",
+               *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"the server did not become healthy in {STARTUP_TIMEOUT_S} s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, then SIGKILL if it has not exited after `timeout` seconds; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """/metrics as {(sample name, frozenset(labels without model_name)): value}."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = frozenset((k, v) for k, v in s.labels.items() if k != "model_name")
+            samples[(s.name, labels)] = s.value
+    return samples
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def wait_for_metric(url: str, name: str, predicate, timeout: float = 30, **labels) -> float:
+    """Poll /metrics until predicate(value) holds; returns the value (fails the test on timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metric(scrape(url), name, **labels)
+        if predicate(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name}{labels or ''} stayed at {value} for {timeout} s")
+        time.sleep(0.2)

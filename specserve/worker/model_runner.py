@@ -17,17 +17,12 @@ from specserve.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode
 from specserve.spec_decode.policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import DraftInputs
 from specserve.worker.attention import AttentionMetadata, build_attention_metadata
+from specserve.worker.threads import ThreadPolicy
 
 
 def positions_at(positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The one accessor for positions: [N] → [T] and [3, N] → [3, T], always on the token axis."""
     return positions[..., index]
-
-
-# Steps with fewer tokens run on one thread: their matmuls gain little from a second one, and on a
-# shared machine each OpenMP parallel region can wait a scheduler tick for its second thread (measured
-# here at load 4.7: a 9-token verification step took 53 ms on 1 thread, 103 ms on 2).
-PARALLEL_MIN_TOKENS = 32
 
 
 @dataclass
@@ -93,7 +88,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler()
-        self.max_threads = torch.get_num_threads()
+        self.thread_policy = ThreadPolicy()
         self.rejection_sampler = RejectionSampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # [n, vocab] of drafts awaiting verification
         self.finished_since_draft: set[str] = set()
@@ -104,14 +99,11 @@ class ModelRunner:
         if not sched.req_ids:
             return ModelRunnerOutput([], {}, None)
         batch = self.prepare_inputs(sched)
-        torch.set_num_threads(self.max_threads if len(batch.input_ids) >= PARALLEL_MIN_TOKENS else 1)
-        try:
+        with self.thread_policy.run(len(batch.input_ids)):
             hidden, aux = self.model.forward(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             sampled, logprobs = self.sample_or_verify(logits, batch)
             drafts = self.propose_draft_token_ids(batch, sampled, hidden, aux)
-        finally:
-            torch.set_num_threads(self.max_threads)
         return ModelRunnerOutput(batch.req_ids, sampled, drafts, logprobs)
 
     # ---- state --------------------------------------------------------------------------

@@ -1,5 +1,3 @@
-import os
-
 import specserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 
 import pytest

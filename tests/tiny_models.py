@@ -22,8 +22,11 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides):
         kwargs.setdefault("head_dim", 32)
     torch.manual_seed(1234)
     config = cls_cfg(**kwargs)
-    model = cls_model(config).eval().float()
-    # Random init leaves some weights at exactly 0/1 (norms): perturb so every path is exercised.
+    return perturb_norms_and_biases(cls_model(config).eval().float())
+
+
+def perturb_norms_and_biases(model):
+    """Random init leaves norms at exactly 1 and biases at 0: perturb them so every path is exercised."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):

@@ -1,7 +1,6 @@
 """LLMEngine: owns the scheduler, the model runner and the output processor; one `step()` at a time."""
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -20,9 +19,6 @@ from specserve.spec_decode.policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import make_proposer
 from specserve.tokenizer import load_tokenizer
 from specserve.worker.model_runner import ModelRunner
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass
 class EngineMetrics(SpecDecodeStats):

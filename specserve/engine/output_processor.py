@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from specserve.engine.request import Request, RequestStatus
+from specserve.engine.request import Request
 from specserve.tokenizer import IncrementalDetokenizer
 
 

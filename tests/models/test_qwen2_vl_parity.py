@@ -4,15 +4,12 @@ import copy
 import pytest
 import torch
 
-from specserve.engine.kv_cache_manager import KVCacheManager
-from specserve.engine.request import Request
-from specserve.engine.scheduler import Scheduler, SchedulerConfig
 from specserve.models.qwen2_vl import MRotaryEmbedding, Qwen2VLForCausalLM, text_mrope_positions
 from specserve.models.registry import build_model
-from specserve.sampling_params import SamplingParams
 from specserve.worker.attention import build_attention_metadata
 from specserve.worker.model_runner import ModelRunner
-from tests.tiny_models import hf_config_dict, hf_state_dict, tiny_hf_model
+from tests.paged_harness import max_logit_errors
+from tests.tiny_models import hf_config_dict, hf_state_dict, perturb_norms_and_biases, tiny_hf_model
 
 # head_dim 16 → 8 rotary frequencies split t/h/w as 2/3/3.
 TEXT = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -41,12 +38,7 @@ def tiny_qwen2_vl(kind: str = "qwen2_vl", tie: bool = False):
     config = cls_cfg(text_config=copy.deepcopy(TEXT), vision_config=copy.deepcopy(VISION[kind]),
                      tie_word_embeddings=tie, **IDS)
     config._attn_implementation = "eager"
-    model = cls_model(config).eval().float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+    return perturb_norms_and_biases(cls_model(config).eval().float())
 
 
 def _hf_logits(hf, tokens: list[int], position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,42 +48,12 @@ def _hf_logits(hf, tokens: list[int], position_ids: torch.Tensor | None = None) 
         return hf(input_ids=torch.tensor([tokens]), position_ids=pos).logits[0].float()
 
 
-def _mrope_positions(runner: ModelRunner, out) -> torch.Tensor:
+def _mrope_positions(runner: ModelRunner, out, batch) -> torch.Tensor:
     """[3, N] text M-RoPE positions of a scheduled step, in the runner's flattened-batch order."""
-    return torch.cat([text_mrope_positions(runner.requests[rid].num_computed_tokens, out.num_scheduled_tokens[rid])
-                      for rid in out.req_ids], dim=1)
-
-
-def _run_steps(model, prompts: list[list[int]], num_decode: int, token_budget: int, hf) -> dict[str, float]:
-    """Drive scheduler + runner by hand with [3, N] positions; per request the max |logits - reference|."""
-    kv = KVCacheManager(num_blocks=64, block_size=4, enable_caching=False)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=token_budget, max_model_len=128), kv)
-    runner = ModelRunner(model, 64, 4, eos_token_ids=set(), vocab_size=model.config.vocab_size, max_model_len=128)
-    params = SamplingParams(temperature=0.0, max_tokens=num_decode + 1, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        sched.add_request(Request(str(i), p, params))
-    worst = {str(i): 0.0 for i in range(len(prompts))}
-    steps = {str(i): 0 for i in range(len(prompts))}
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        runner._update_states(out)
-        batch = runner.prepare_inputs(out)
-        positions = _mrope_positions(runner, out)
-        assert torch.equal(positions, batch.positions.expand(3, -1))  # the runner's [N] or [3, N]
-        with torch.inference_mode():
-            hidden, _ = model.forward(batch.input_ids, positions, batch.attn, runner.kv_caches)
-            logits = model.compute_logits(hidden[batch.logits_indices])
-        sampled = {}
-        for row, rid in enumerate(batch.sample_req_ids):
-            ref = _hf_logits(hf, runner.requests[rid].token_ids)[-1]
-            worst[rid] = max(worst[rid], (logits[row] - ref).abs().max().item())
-            tok = int(ref.argmax())
-            sampled[rid] = [tok]
-            runner.requests[rid].append([tok])
-            steps[rid] += 1
-        sched.update_from_output(out, sampled)
-    assert all(s == num_decode + 1 for s in steps.values())
-    return worst
+    positions = torch.cat([text_mrope_positions(runner.requests[rid].num_computed_tokens,
+                                                out.num_scheduled_tokens[rid]) for rid in out.req_ids], dim=1)
+    assert torch.equal(positions, batch.positions.expand(3, -1))  # the runner's [N] or [3, N]
+    return positions
 
 
 def _prefill_logits(model, tokens: list[int], positions: torch.Tensor) -> torch.Tensor:
@@ -117,7 +79,8 @@ def test_prefill_and_decode_match_transformers(kind, tie):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 150, (n,), generator=g).tolist() for n in (13, 5, 22)]
     # Token budget 7: prompts are prefilled in chunks, decodes ride along with other prefills.
-    worst = _run_steps(model, prompts, num_decode=10, token_budget=7, hf=hf)
+    worst = max_logit_errors(model, prompts, 10, 7, lambda tokens: _hf_logits(hf, tokens)[-1],
+                             positions=_mrope_positions)
     assert max(worst.values()) < 1e-4, worst
 
 

@@ -10,6 +10,7 @@ from specserve.sample.rejection_sampler import RejectionSampler
 from specserve.sample.sampler import Sampler
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
+from tests.sample.reference import ref_probs
 
 V = 10
 EOS = 9
@@ -143,23 +144,6 @@ def test_greedy_verification_matches_penalised_argmax_reference(params):
 
 
 # ---- target distribution (statistical) ---------------------------------------------------------
-
-def ref_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """The target in vLLM's order: temperature, min-p, top-k, then the smallest top set with mass >= p."""
-    x = logits.astype(np.float64) / p.temperature
-    probs = np.exp(x - x.max())
-    probs /= probs.sum()
-    keep = probs >= p.min_p * probs.max()
-    order = np.argsort(-x)
-    if p.top_k:
-        keep[order[p.top_k:]] = False
-    kept = np.where(keep, probs, 0.0)
-    kept /= kept.sum()
-    mass_before = np.cumsum(kept[order]) - kept[order]
-    keep[order[mass_before >= p.top_p]] = False
-    out = np.where(keep, probs, 0.0)
-    return out / out.sum()
-
 
 def tv(a: np.ndarray, b: np.ndarray) -> float:
     return 0.5 * float(np.abs(a - b).sum())

@@ -8,6 +8,7 @@ from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import (Sampler, apply_penalties_and_masks, compute_probs,
                                       random_sample)
 from specserve.sampling_params import SamplingParams
+from tests.sample.reference import ref_probs
 
 V = 8
 EOS = 7
@@ -23,23 +24,6 @@ def build(params, outputs=None, prompts=None, gens=None, eos=frozenset({EOS}), v
 
 
 # ---- numpy references -------------------------------------------------------------------------
-
-def ref_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """Target distribution in vLLM's order: temperature, min-p, top-k, top-p."""
-    x = logits / p.temperature
-    probs = np.exp(x - x.max())
-    probs /= probs.sum()
-    keep = probs >= p.min_p * probs.max()
-    order = np.argsort(-x)
-    if p.top_k:
-        keep[order[p.top_k:]] = False
-    kept = np.where(keep, probs, 0.0)
-    kept /= kept.sum()
-    mass_before = np.cumsum(kept[order]) - kept[order]
-    keep[order[mass_before >= p.top_p]] = False
-    out = np.where(keep, probs, 0.0)
-    return out / out.sum()
-
 
 def ref_penalties(row: np.ndarray, p: SamplingParams, prompt, output) -> np.ndarray:
     out = row.astype(np.float64).copy()

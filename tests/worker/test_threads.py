@@ -5,7 +5,7 @@ from specserve.worker.threads import EXPLORE_EVERY, ThreadPolicy
 
 def test_policy_measures_both_then_prefers_the_faster_and_keeps_exploring():
     policy = ThreadPolicy(max_threads=2)
-    first, second = policy.choose(5), policy.choose(5)
+    first = policy.choose(5)
     assert first == 1  # nothing measured yet: try one thread
     policy.record(5, 1, 0.050)
     assert policy.choose(5) == 2  # then the other

@@ -4,20 +4,26 @@
 ``torch.nn.functional.linear``, but dispatches each call to the fastest measured
 kernel for its row count (number of tokens in the step):
 
-* rows == 1  -> numpy ``matmul`` on the dense weight = OpenBLAS sgemv (single thread)
-* rows >= 2  -> oneDNN inner product with a weight pre-packed once at construction
+* oneDNN inner product with a weight pre-packed once at construction
   (``torch.ops.mkldnn._reorder_linear_weight`` + ``torch.ops.mkldnn._linear_pointwise``;
-  the input stays an ordinary strided tensor, no ``to_mkldnn()`` conversion)
+  the input stays an ordinary strided tensor, no ``to_mkldnn()`` conversion), at every row count;
+* numpy ``matmul`` (OpenBLAS sgemv at one row, single thread) for one row when this torch build
+  has no oneDNN, and torch's ``F.linear`` above.
+
+Until 2026-12-02 ``auto`` sent one-row calls to numpy, which wins cache-hot per-call timings
+(table below). Streaming a whole model's weights, which is what a decode step does, it loses:
+SmolLM2's 121 linears at one row, medians of 15 interleaved rounds, took 19.6 ms with numpy
+(1 or 2 threads alike), 17.1 ms with oneDNN on 1 thread and 14.7 ms on 2 threads; a whole decode
+step went from 23.5-25.1 ms to 16.5-19.1 ms. The runner's thread policy picks 1 or 2 threads by
+measurement, which covers the busy-machine case that made one-row numpy attractive.
 
 Both are exact fp32 (same products, different summation order: max relative error vs.
 ``F.linear`` ~1e-6). The plain ``torch`` path (``F.linear`` -> MKL sgemm) ties at one row
 for small layers but is 3x slower for lm_head and 2-4x slower from 2 rows up, so it is
 never picked automatically.
 
-Memory: ``auto`` keeps the dense fp32 weight (shared with the caller's tensor when that is
-already contiguous fp32, e.g. a tied embedding) *and* a oneDNN-packed copy, i.e. up to 2x
-the fp32 weight bytes. ``backend="onednn"`` keeps only the packed copy; at one row it costs
-~nothing in a whole-model step (memory bound) but is 1.5-2.5x slower per cache-hot call.
+Memory: ``auto`` and ``onednn`` keep only the oneDNN-packed copy (the fp32 weight bytes once);
+``dense_weight()`` unpacks it on demand.
 
 Why: ``.venv/bin/python benchmarks/matmul_backends.py`` (results in
 bench_results/matmul_backends.json). AMD EPYC Zen 5 (avx512, avx512_bf16, avx512_vnni, no
@@ -102,7 +108,7 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "SPECSERVE_LINEAR_BACKEND"
 BACKENDS = ("auto", "torch", "numpy", "onednn")
 
-# auto policy: numpy for rows <= NUMPY_MAX_ROWS, oneDNN above (see table in the docstring).
+# auto without oneDNN: numpy for rows <= NUMPY_MAX_ROWS, torch above.
 NUMPY_MAX_ROWS = 1
 
 
@@ -155,8 +161,8 @@ _INT8_REDUCE_RANGE = not ({"avx512_vnni", "avx_vnni", "amx_int8"} & _CPU_FLAGS)
 def select_backend(backend: Optional[str] = None) -> str:
     """Resolve the backend name: explicit argument > $SPECSERVE_LINEAR_BACKEND > "auto".
 
-    "auto" means numpy (OpenBLAS) for rows <= NUMPY_MAX_ROWS and oneDNN above; if oneDNN is
-    not usable in this torch build, "auto" degrades to numpy for few rows and torch above.
+    "auto" means oneDNN at every row count; if oneDNN is not usable in this torch build, it
+    degrades to numpy for rows <= NUMPY_MAX_ROWS and torch above.
     """
     name = backend if backend is not None else os.environ.get(ENV_VAR, "").strip().lower() or "auto"
     if name not in BACKENDS:
@@ -283,7 +289,7 @@ class FastLinear(torch.nn.Module):
             raise ValueError(f"bias must be [{self.out_features}], got {tuple(b.shape)}")
         self.bias = b
         # Representations, filled as needed (None when unused):
-        self._w = None  # dense fp32 [out, in] (torch path; numpy 1-row path)
+        self._w = None  # dense fp32 [out, in] (torch path; numpy 1-row path without oneDNN)
         self._w_np = None  # numpy view of _w
         self._wt_np = None  # numpy [in, out] contiguous (forced numpy backend, all rows)
         self._w_packed = None  # oneDNN-packed fp32 weight (opaque mkldnn tensor)
@@ -311,15 +317,14 @@ class FastLinear(torch.nn.Module):
         elif self.backend == "onednn":
             self._w_packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             self._slow = "onednn"
-        else:  # auto
+        elif ONEDNN_AVAILABLE:  # auto
+            self._w_packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            self._slow = "onednn"
+        else:  # pragma: no cover - auto on a torch without mkldnn
             self._w = w
             self._w_np = w.numpy()
             self._numpy_max_rows = NUMPY_MAX_ROWS
-            if ONEDNN_AVAILABLE:
-                self._w_packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-                self._slow = "onednn"
-            else:  # pragma: no cover - torch without mkldnn
-                self._slow = "torch"
+            self._slow = "torch"
 
     # ------------------------------------------------------------------
     @classmethod

@@ -19,6 +19,7 @@ from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_probs, random_sample
 from specserve.spec_decode.proposer import DraftInputs, Drafts
 from specserve.worker.attention import build_attention_metadata
+from specserve.worker.paged_kernel import kernel_usable
 
 
 @dataclass
@@ -42,6 +43,7 @@ class DraftModelProposer:
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
         self.kv_caches = [(torch.zeros(shape, dtype=self.model.dtype), torch.zeros(shape, dtype=self.model.dtype))
                           for _ in range(self.model.num_layers)]
+        self.attention_kernel = kernel_usable(self.model.dtype)
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.requests: dict[str, _DraftRequest] = {}
 
@@ -100,7 +102,7 @@ class DraftModelProposer:
         for qlen, clen, table in zip(query_lens, context_lens, tables):
             slots.extend(table[p // bs] * bs + p % bs for p in range(clen - qlen, clen))
         slot_mapping = torch.tensor(slots, dtype=torch.long)
-        meta = build_attention_metadata(query_lens, context_lens, tables, bs, slot_mapping)
+        meta = build_attention_metadata(query_lens, context_lens, tables, bs, slot_mapping, self.attention_kernel)
         hidden, _ = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.kv_caches)
         last = torch.tensor(query_lens).cumsum(0) - 1
         return self.model.compute_logits(hidden[last])

@@ -17,6 +17,7 @@ from specserve.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode
 from specserve.spec_decode.policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import DraftInputs
 from specserve.worker.attention import AttentionMetadata, build_attention_metadata
+from specserve.worker.paged_kernel import kernel_usable
 from specserve.worker.threads import ThreadPolicy
 
 
@@ -85,6 +86,7 @@ class ModelRunner:
         shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
                           for _ in range(model.num_layers)]
+        self.attention_kernel = kernel_usable(model.dtype)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler()
@@ -162,7 +164,7 @@ class ModelRunner:
             tables.append(table)
             starts.append(starts[-1] + n)
         slot_mapping = torch.tensor(slots, dtype=torch.long)
-        attn = build_attention_metadata(query_lens, context_lens, tables, bs, slot_mapping)
+        attn = build_attention_metadata(query_lens, context_lens, tables, bs, slot_mapping, self.attention_kernel)
         spec = build_spec_decode_metadata(sample_drafts, sample_ends) if any(sample_drafts) else None
         return InputBatch(
             req_ids=list(sched.req_ids),

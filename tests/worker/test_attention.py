@@ -1,0 +1,127 @@
+"""paged_attention against dense causal attention computed from each request's own K/V."""
+import math
+
+import pytest
+import torch
+
+from specserve.worker import paged_kernel
+from specserve.worker.attention import build_attention_metadata, context_blocks, paged_attention
+
+BLOCK_SIZE, NUM_BLOCKS, H, HKV, D = 16, 64, 6, 2, 64
+
+
+def _dense(q, k, v, scale):
+    """q: [Q, H, D] at the last Q positions of k, v: [L, Hkv, D]."""
+    q_len, c_len = q.shape[0], k.shape[0]
+    k = k.repeat_interleave(H // HKV, dim=1)
+    v = v.repeat_interleave(H // HKV, dim=1)
+    scores = torch.einsum("qhd,lhd->hql", q, k) * scale
+    allowed = torch.arange(c_len)[None, :] <= torch.arange(c_len - q_len, c_len)[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v).reshape(q_len, -1)
+
+
+KERNEL_BUILDS = paged_kernel.load_kernel() is not None
+PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler"))]
+
+
+def _run(query_lens, context_lens, block_tables, use_kernel=False, seed=0, head_dim=D, block_size=BLOCK_SIZE):
+    """Fill each request's earlier context into the cache, run one step, compare every token's output."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(NUM_BLOCKS, block_size, HKV, head_dim, generator=g)
+    v_cache = torch.randn(NUM_BLOCKS, block_size, HKV, head_dim, generator=g)
+    full_k, full_v, slots = [], [], []
+    for q_len, c_len, table in zip(query_lens, context_lens, block_tables):
+        ctx_slots = [table[t // block_size] * block_size + t % block_size for t in range(c_len)]
+        k = torch.randn(c_len, HKV, head_dim, generator=g)
+        v = torch.randn(c_len, HKV, head_dim, generator=g)
+        k_cache.view(-1, HKV, head_dim)[ctx_slots[: c_len - q_len]] = k[: c_len - q_len]
+        v_cache.view(-1, HKV, head_dim)[ctx_slots[: c_len - q_len]] = v[: c_len - q_len]
+        full_k.append(k)
+        full_v.append(v)
+        slots += ctx_slots[c_len - q_len:]
+    q = torch.randn(sum(query_lens), H, head_dim, generator=g)
+    step_k = torch.cat([k[c - n:] for k, n, c in zip(full_k, query_lens, context_lens)])
+    step_v = torch.cat([v[c - n:] for v, n, c in zip(full_v, query_lens, context_lens)])
+    meta = build_attention_metadata(query_lens, context_lens, block_tables, block_size,
+                                    torch.tensor(slots, dtype=torch.long), use_kernel)
+    assert (meta.kernel is not None) == (use_kernel and min(query_lens) <= 16)
+    scale = 1 / math.sqrt(head_dim)
+    out = paged_attention(q, step_k, step_v, k_cache, v_cache, meta, scale)
+    start = 0
+    for i, (q_len, c_len) in enumerate(zip(query_lens, context_lens)):
+        ref = _dense(q[start:start + q_len], full_k[i], full_v[i], scale)
+        torch.testing.assert_close(out[start:start + q_len], ref, atol=1e-5, rtol=1e-5)
+        start += q_len
+    return out
+
+
+def _scattered_tables(context_lens, seed=1, block_size=BLOCK_SIZE):
+    perm = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, used = [], 0
+    for c_len in context_lens:
+        n = -(-c_len // block_size)
+        tables.append(perm[used:used + n])
+        used += n
+    return tables
+
+
+# (16, 64): the kernel's vector path; other block sizes and head dims take its scalar path.
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 32), (4, 64), (16, 8)])
+@pytest.mark.parametrize("use_kernel", PATHS)
+def test_mixed_batch_with_scattered_blocks(use_kernel, block_size, head_dim):
+    # decode, 1 + k verification, a prefill chunk over cached context, a fresh prefill; lengths in
+    # different buckets; blocks scattered over the pool in no particular order.
+    query_lens = [1, 5, 1, 20, 17, 3, 16]
+    context_lens = [9, 14, 130, 33, 17, 4, 16]
+    tables = _scattered_tables(context_lens, block_size=block_size)
+    _run(query_lens, context_lens, tables, use_kernel, head_dim=head_dim, block_size=block_size)
+
+
+@pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler")
+def test_kernel_rows_are_bitwise_the_same_alone_and_in_a_batch():
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=g)
+    v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=g)
+    query_lens, context_lens = [1, 5, 1, 3], [9, 14, 130, 40]
+    tables = _scattered_tables(context_lens)
+    slots = [[t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c - n, c)]
+             for n, c, t in zip(query_lens, context_lens, tables)]
+    q = torch.randn(sum(query_lens), H, D, generator=g)
+
+    def attend(rows):
+        flat = torch.tensor([s for i in rows for s in slots[i]], dtype=torch.long)
+        k, v = k_cache.view(-1, HKV, D)[flat], v_cache.view(-1, HKV, D)[flat]  # rewrite what is there
+        meta = build_attention_metadata([query_lens[i] for i in rows], [context_lens[i] for i in rows],
+                                        [tables[i] for i in rows], BLOCK_SIZE, flat, use_kernel=True)
+        starts = [sum(query_lens[:i]) for i in rows]
+        q_rows = torch.cat([q[s:s + query_lens[i]] for s, i in zip(starts, rows)])
+        return paged_attention(q_rows, k, v, k_cache, v_cache, meta, 0.3)
+
+    together = attend([0, 1, 2, 3])
+    start = 0
+    for i, n in enumerate(query_lens):
+        assert torch.equal(attend([i]), together[start:start + n])
+        start += n
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+@pytest.mark.parametrize("q_len", [1, 4, 24])
+def test_single_request_on_consecutive_blocks_reads_a_view(q_len, use_kernel):
+    c_len = 38
+    table = list(range(7, 7 + -(-c_len // BLOCK_SIZE)))
+    ctx = context_blocks([table], [c_len], BLOCK_SIZE)
+    assert ctx.block_ids is None and ctx.first_block == 7 and ctx.length == c_len
+    cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, HKV, D)
+    assert ctx.read(cache).data_ptr() == cache[7].data_ptr()  # no copy
+    _run([q_len], [c_len], [table], use_kernel)
+
+
+def test_gathered_context_pads_to_whole_blocks_and_masks_the_rest():
+    ctx = context_blocks([[5, 3], [9, 10, 11]], [6, 10], 4)
+    assert ctx.block_ids.tolist() == [[5, 3, 0], [9, 10, 11]] and ctx.length == 12
+    cache = torch.arange(NUM_BLOCKS * 4, dtype=torch.float32).view(NUM_BLOCKS, 4, 1, 1)
+    read = ctx.read(cache).view(2, -1)
+    assert read[0, :6].tolist() == [20, 21, 22, 23, 12, 13]
+    assert read[1, :10].tolist() == list(range(36, 46))
+    _run([1, 2], [6, 10], [[5, 3], [9, 10, 11]], block_size=4)

@@ -18,7 +18,7 @@ from specserve.bench.common import (
 DEFAULT_OUTPUT = "bench_results/latency.json"
 DEFAULT_METHODS = "ngram,suffix"
 # num_speculative_tokens per method when --num-speculative-tokens is not given: tune here.
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "suffix": 8, "draft_model": 4}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 8, "draft_model": 4}
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens, as in ANCHORS.md
 WARMUP_TOKENS = 16
 # Not a Spec-Bench question, so warming up leaves nothing in the prefix or suffix caches that a measured
@@ -161,17 +161,16 @@ def cmd_latency(args: argparse.Namespace) -> int:
     print(header_line(args, env, configs), flush=True)
     rows = select_per_category(read_specbench(args.dataset), parse_categories(args.categories),
                                args.prompts_per_category)
-    timings: list[RequestTiming] = []
-    prompts: list[BenchPrompt] = []
-    for method, config in [(PLAIN, None), *configs.items()]:
-        llm = load_specserve(args, method, config)
-        if not prompts:
-            prompts = render_prompts(llm.get_tokenizer(), rows)
-            warmup = render_prompts(llm.get_tokenizer(), [{"category": "warmup", "turns": [WARMUP_MESSAGE]}])[0]
-            pad_token_id = llm.get_tokenizer().eos_token_id
-        timings += run_specserve(llm, method, prompts, warmup, args.max_tokens)
-        del llm  # one engine in memory at a time
-        gc.collect()
+    # Every engine is loaded up front and the methods take turns on each prompt, so a machine that slows
+    # down during the run (it is shared) slows every method alike instead of whichever ran last.
+    engines = {method: load_specserve(args, method, config) for method, config in [(PLAIN, None), *configs.items()]}
+    tokenizer = engines[PLAIN].get_tokenizer()
+    prompts = render_prompts(tokenizer, rows)
+    warmup = render_prompts(tokenizer, [{"category": "warmup", "turns": [WARMUP_MESSAGE]}])[0]
+    pad_token_id = tokenizer.eos_token_id
+    timings = run_specserve(engines, prompts, warmup, args.max_tokens)
+    del engines
+    gc.collect()
     if not args.skip_hf:
         timings += run_transformers(args, prompts, warmup, pad_token_id)
     env["load_average_1m_end"] = environment_info().get("load_average_1m")  # the machine may be shared
@@ -241,23 +240,28 @@ def load_specserve(args: argparse.Namespace, method: str, spec_config: dict | No
     return llm
 
 
-def run_specserve(llm, method: str, prompts: list[BenchPrompt], warmup: BenchPrompt, max_tokens: int
+def run_specserve(engines: dict, prompts: list[BenchPrompt], warmup: BenchPrompt, max_tokens: int
                   ) -> list[RequestTiming]:
+    """Each prompt through every engine in turn (engines: method -> LLM)."""
     from specserve.sampling_params import SamplingParams
 
-    llm.generate([warmup.as_engine_prompt()], SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS,
-                                                             ignore_eos=True), use_tqdm=False)
+    for llm in engines.values():
+        llm.generate([warmup.as_engine_prompt()], SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS,
+                                                                 ignore_eos=True), use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     timings = []
     for prompt in prompts:
-        # Every request prefills its whole prompt, as transformers does (no prefix cache there).
-        llm.llm_engine.kv_cache_manager.reset_prefix_cache()
-        with Stopwatch() as sw:
-            out = llm.generate([prompt.as_engine_prompt()], params, use_tqdm=False)[0]
-        if out.error:
-            raise RuntimeError(f"{LABELS[method]} failed on question {prompt.question_id}: {out.error}")
-        timings.append(_specserve_timing(method, prompt, out, sw.seconds))
-    _log(f"{LABELS[method]}: {len(prompts)} prompts in {sum(t.total_s for t in timings):.1f} s")
+        for method, llm in engines.items():
+            # Every request prefills its whole prompt, as transformers does (no prefix cache there).
+            llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+            with Stopwatch() as sw:
+                out = llm.generate([prompt.as_engine_prompt()], params, use_tqdm=False)[0]
+            if out.error:
+                raise RuntimeError(f"{LABELS[method]} failed on question {prompt.question_id}: {out.error}")
+            timings.append(_specserve_timing(method, prompt, out, sw.seconds))
+    for method in engines:
+        _log(f"{LABELS[method]}: {len(prompts)} prompts in "
+             f"{sum(t.total_s for t in timings if t.method == method):.1f} s")
     return timings
 
 

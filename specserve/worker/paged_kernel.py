@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "SPECSERVE_ATTENTION_BACKEND"
 BACKENDS = ("auto", "kernel", "torch")
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}

@@ -6,13 +6,13 @@ from specserve.worker.threads import EXPLORE_EVERY, ThreadPolicy
 def test_policy_measures_both_then_prefers_the_faster_and_keeps_exploring():
     policy = ThreadPolicy(max_threads=2)
     first = policy.choose(5)
-    assert first == 1  # nothing measured yet: try one thread
-    policy.record(5, 1, 0.050)
-    assert policy.choose(5) == 2  # then the other
+    assert first == 2  # nothing measured yet: try all threads
     policy.record(5, 2, 0.100)
+    assert policy.choose(5) == 1  # then the other
+    policy.record(5, 1, 0.050)
     picks = [policy.choose(5) for _ in range(3 * EXPLORE_EVERY)]
     assert picks.count(1) > picks.count(2) > 0  # mostly the faster, sometimes the other
-    assert policy.choose(1) == 1 and policy.choose(500) == 1  # other buckets measure separately
+    assert policy.choose(1) == 2 and policy.choose(500) == 2  # other buckets measure separately
 
 
 def test_run_restores_the_thread_count():

@@ -1,0 +1,94 @@
+"""Offline replay of prompt-lookup drafting against real greedy outputs, to choose ngram settings.
+
+Greedy speculative decoding emits exactly plain decoding's tokens, so how many drafts a setting gets
+accepted can be computed from plain outputs alone, without running the model per setting. This script
+generates plain greedy outputs for Spec-Bench prompts once, then replays each (prompt_lookup_min,
+prompt_lookup_max, k, adaptive) setting with specserve's own matcher and draft-length policy and prints
+tokens per unit of cost per category, where a step verifying d drafts costs 1 + cost * d one-token steps
+(measure `cost` with `specserve bench latency`; it was ~0.035 for SmolLM2 here).
+
+    .venv/bin/python benchmarks/spec_replay.py --prompts-per-category 6 --cost 0.035
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import numpy as np
+
+from specserve.spec_decode.ngram import find_ngram_match, ngram_continuation
+from specserve.spec_decode.policy import DraftLengthPolicy
+
+CATEGORIES = ["summarization", "math_reasoning", "coding", "translation", "qa", "rag", "writing", "extraction"]
+SETTINGS = [(2, 5, 4), (1, 5, 4), (2, 5, 8), (1, 5, 8), (3, 5, 8), (1, 5, 12)]
+
+
+def generate(dataset: str, per_category: int, max_tokens: int) -> list[dict]:
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    rows = [json.loads(line) for line in open(dataset)]
+    chosen = [r for c in CATEGORIES for r in [r for r in rows if r.get("category") == c][:per_category]]
+    llm = LLM(max_num_seqs=16)
+    outs = llm.chat([[{"role": "user", "content": r["turns"][0]}] for r in chosen],
+                    SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return [{"category": r["category"], "prompt": list(o.prompt_token_ids), "output": list(o.outputs[0].token_ids)}
+            for r, o in zip(chosen, outs)]
+
+
+def replay(item: dict, min_n: int, max_n: int, k: int, cost: float, adaptive: bool) -> float:
+    """Output tokens per unit of step cost for one request under one setting."""
+    tokens = item["prompt"] + item["output"]
+    pos, end = len(item["prompt"]), len(tokens)
+    policy = DraftLengthPolicy(cost_per_draft=cost, adaptive=adaptive)
+    src_end = src_size = -1
+    steps = 0.0
+    while pos < end:
+        history = np.asarray(tokens[:pos], dtype=np.int64)
+        num = min(policy.num_drafts("r", k), end - pos - 1)
+        draft = []
+        if num > 0:
+            match = find_ngram_match(history, min_n, max_n, src_end + pos - src_size if src_end >= 0 else -1)
+            src_end, src_size = match, pos
+            if match >= 0:
+                draft = ngram_continuation(history, match, num).tolist()
+        accepted = 0
+        while accepted < len(draft) and tokens[pos + accepted] == draft[accepted]:
+            accepted += 1
+        if draft:
+            policy.record("r", len(draft), accepted)
+        steps += 1 + cost * len(draft)
+        pos += accepted + 1
+    return len(item["output"]) / steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", default="../shared/data/specbench.jsonl")
+    p.add_argument("--prompts-per-category", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--cost", type=float, default=0.035, help="cost of one verified draft token, in steps")
+    p.add_argument("--outputs", default="bench_results/spec_replay_outputs.json",
+                   help="plain outputs, generated once and reused")
+    args = p.parse_args()
+    try:
+        items = json.load(open(args.outputs))
+    except FileNotFoundError:
+        items = generate(args.dataset, args.prompts_per_category, args.max_tokens)
+        json.dump(items, open(args.outputs, "w"))
+    categories = list(dict.fromkeys(i["category"] for i in items))
+    print(f"tokens per unit of cost (median over prompts), cost per draft token {args.cost}")
+    print("min,max,k  adaptive  " + " ".join(f"{c[:10]:>10}" for c in categories) + "  geomean")
+    for min_n, max_n, k in SETTINGS:
+        for adaptive in (True, False):
+            row = [statistics.median(replay(i, min_n, max_n, k, args.cost, adaptive)
+                                     for i in items if i["category"] == c) for c in categories]
+            geo = math.exp(sum(map(math.log, row)) / len(row))
+            print(f"{min_n},{max_n},{k:<3}  {'yes' if adaptive else 'no ':>8}  "
+                  + " ".join(f"{x:10.2f}" for x in row) + f"  {geo:.3f}")
+
+
+if __name__ == "__main__":
+    main()

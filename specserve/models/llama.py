@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models.rope import RotaryEmbedding, apply_rotary, rope_parameters
+from specserve.worker import kernels
 from specserve.worker.attention import AttentionMetadata, paged_attention
 
 
@@ -88,8 +89,11 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weight_d
 
 
 class DecoderLayer:
+    """One layer. With `c_ops` (fp32 and the C kernels built) the residual add + RMSNorm, RoPE and
+    SiLU-and-mul run as fused C kernels (worker/csrc/layer_ops.c); otherwise as PyTorch ops."""
+
     def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], prefix: str,
-                 weight_dtype=None) -> None:
+                 weight_dtype=None, c_ops: bool = False) -> None:
         w = lambda name: weights[prefix + name]  # noqa: E731
         b = lambda name: weights.get(prefix + name)  # noqa: E731
         make = lambda weight, bias=None: make_linear(weight, bias, weight_dtype)  # noqa: E731
@@ -110,10 +114,13 @@ class DecoderLayer:
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.c_ops = c_ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         """x: [N, hidden] (this layer's input before its norm); returns (output, residual)."""
+        if self.c_ops:
+            return self._forward_c(x, residual, cos, sin, kv_cache, meta)
         cfg = self.cfg
         residual = x if residual is None else x + residual
         h = rms_norm(residual, self.input_norm, cfg.rms_norm_eps)
@@ -134,6 +141,27 @@ class DecoderLayer:
         inter = gate_up.shape[-1] // 2
         return self.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:]), residual
 
+    def _forward_c(self, x, residual, cos, sin, kv_cache, meta):
+        """The same computation with fused C steps; `residual` is updated in place (x is then not needed)."""
+        cfg = self.cfg
+        if residual is None:
+            residual, x = x, None  # the first layer's input (a fresh embedding lookup) becomes the residual
+        h = kernels.add_rms_norm(x, residual, self.input_norm, cfg.rms_norm_eps)
+        qkv = self.qkv(h)
+        n = qkv.shape[0]
+        if self.q_norm is None:
+            kernels.rope_qk(qkv, cos.reshape(n, -1), sin.reshape(n, -1),
+                            cfg.num_attention_heads + cfg.num_key_value_heads, cfg.head_dim)
+        q = qkv[:, : self.q_size].view(n, cfg.num_attention_heads, cfg.head_dim)
+        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(n, cfg.num_key_value_heads, cfg.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, cfg.num_key_value_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q = apply_rotary(rms_norm(q, self.q_norm, cfg.rms_norm_eps), cos, sin)
+            k = apply_rotary(rms_norm(k, self.k_norm, cfg.rms_norm_eps), cos, sin)
+        attn = paged_attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
+        h = kernels.add_rms_norm(self.o_proj(attn), residual, self.post_norm, cfg.rms_norm_eps)
+        return self.down(kernels.silu_mul(self.gate_up(h))), residual
+
 
 class LlamaForCausalLM:
     """The decoder plus its LM head; `forward` returns final hidden states, `compute_logits` the logits."""
@@ -147,7 +175,8 @@ class LlamaForCausalLM:
         self.config = cfg
         self.dtype = dtype
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", weight_dtype)
+        c_ops = kernels.kernel_usable(dtype)
+        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", weight_dtype, c_ops)
                        for i in range(cfg.num_hidden_layers)]
         self.norm = weights["model.norm.weight"]
         lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights.get("lm_head.weight", self.embed_tokens)
@@ -175,8 +204,10 @@ class LlamaForCausalLM:
         aux = [] if self.aux_hidden_layers else None
         for i, layer in enumerate(self.layers):
             if aux is not None and i in self.aux_hidden_layers:
-                aux.append(x if residual is None else x + residual)
+                aux.append(x.clone() if residual is None else x + residual)  # C layers update residual in place
             x, residual = layer.forward(x, residual, cos, sin, kv_caches[i], meta)
+        if self.layers and self.layers[0].c_ops:
+            return kernels.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps), aux
         return rms_norm(x + residual, self.norm, self.config.rms_norm_eps), aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

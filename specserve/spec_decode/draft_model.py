@@ -19,7 +19,7 @@ from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_probs, random_sample
 from specserve.spec_decode.proposer import DraftInputs, Drafts
 from specserve.worker.attention import build_attention_metadata
-from specserve.worker.paged_kernel import kernel_usable
+from specserve.worker.kernels import kernel_usable
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 Every request in a step contributes `query_len` consecutive tokens at absolute positions
 `[context_len - query_len, context_len)` and attends causally to its whole context in the paged cache.
-Short queries (decode, 1 + k verification) go to the C kernel of `paged_kernel.py`, which reads the
-block pool in place; without it (no compiler, a non-fp32 cache, SPECSERVE_ATTENTION_BACKEND=torch)
+Short queries (decode, 1 + k verification) go to the C kernel of `kernels.py`, which reads the
+block pool in place; without it (no compiler, a non-fp32 cache, SPECSERVE_KERNELS=torch)
 they are padded into batched SDPA calls by context length. Long queries (prefill chunks) run one
 request at a time through SDPA. Per layer: write the step's K/V into the cache first, then
 attend, so a request may read blocks another request fills in the same step (prefix-cache hits).
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.worker.paged_kernel import paged_attention_short
+from specserve.worker.kernels import paged_attention_short
 
 # Queries up to this length are batched together with padding; longer ones run alone.
 MAX_BATCHED_QUERY_LEN = 16
@@ -106,7 +106,7 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int], blo
                              ) -> AttentionMetadata:
     """context_lens[i] counts the request's tokens including this step's query.
 
-    use_kernel: hand short queries to the C kernel (the caller checks `paged_kernel.kernel_enabled()` and
+    use_kernel: hand short queries to the C kernel (the caller checks `kernels.kernel_enabled()` and
     that its cache is fp32).
     """
     starts = [0]

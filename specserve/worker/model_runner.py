@@ -17,7 +17,7 @@ from specserve.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode
 from specserve.spec_decode.policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import DraftInputs
 from specserve.worker.attention import AttentionMetadata, build_attention_metadata
-from specserve.worker.paged_kernel import kernel_usable
+from specserve.worker.kernels import kernel_usable
 from specserve.worker.threads import ThreadPolicy
 
 

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from specserve.models.registry import build_model
+from specserve.worker import kernels
 from tests.paged_harness import max_logit_errors
 from tests.tiny_models import hf_config_dict, hf_state_dict, tiny_hf_model
 
@@ -15,10 +16,15 @@ def _reference_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0, -1].float()
 
 
+@pytest.mark.parametrize("ops", ["c", "torch"])  # specserve's C kernels, and the PyTorch fallback
 @pytest.mark.parametrize("kind,tie", CASES)
-def test_prefill_and_decode_match_transformers(kind, tie):
+def test_prefill_and_decode_match_transformers(kind, tie, ops, monkeypatch):
+    if ops == "c" and kernels.load_kernel() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv(kernels.ENV_VAR, ops)
     hf = tiny_hf_model(kind, tie=tie)
     model = build_model(hf_config_dict(hf), hf_state_dict(hf), dtype=torch.float32)
+    assert model.layers[0].c_ops == (ops == "c")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (13, 5, 22)]
     # Token budget 7: prompts are prefetched in chunks, decodes ride along with other prefills.

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from specserve.worker import paged_kernel
+from specserve.worker import kernels
 from specserve.worker.attention import build_attention_metadata, context_blocks, paged_attention
 
 BLOCK_SIZE, NUM_BLOCKS, H, HKV, D = 16, 64, 6, 2, 64
@@ -21,7 +21,7 @@ def _dense(q, k, v, scale):
     return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v).reshape(q_len, -1)
 
 
-KERNEL_BUILDS = paged_kernel.load_kernel() is not None
+KERNEL_BUILDS = kernels.load_kernel() is not None
 PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler"))]
 
 

@@ -1,0 +1,186 @@
+"""specserve's C kernels (csrc/): paged attention for short queries and fused decoder-layer steps.
+
+They are compiled on first use with the machine's C compiler (`cc -O3 -march=native -fopenmp`) into one
+library under `~/.cache/specserve/kernels/` (or `$SPECSERVE_CACHE_DIR/kernels`), keyed by the sources,
+the flags and the CPU, so later starts load it in milliseconds; calls go through ctypes. Their OpenMP
+regions resolve to the libgomp that PyTorch has already loaded, so they run on torch's thread pool and
+follow `torch.set_num_threads`.
+
+`SPECSERVE_KERNELS`: `auto` (default: the C kernels when they build, else PyTorch ops), `c` (fail if they
+do not build), `torch` (never use them). Only fp32 tensors take the C path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "SPECSERVE_KERNELS"
+BACKENDS = ("auto", "c", "torch")
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "layer_ops.c")]
+HEADERS = [Path(__file__).parent / "csrc" / "specserve_math.h"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+def kernels_backend() -> str:
+    name = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"{ENV_VAR} must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def kernel_enabled() -> bool:
+    """Whether the C kernels should be used (building them on the first call)."""
+    backend = kernels_backend()
+    if backend == "torch":
+        return False
+    lib = load_kernel()
+    if lib is None and backend == "c":
+        raise RuntimeError(f"{ENV_VAR}=c but the C kernels did not build: {_loaded.get('error')}")
+    return lib is not None
+
+
+def kernel_usable(dtype: torch.dtype) -> bool:
+    """Whether tensors of `dtype` (a KV cache, a model's activations) take the C kernels: fp32 only."""
+    return dtype == torch.float32 and kernel_enabled()
+
+
+def load_kernel():
+    """The loaded library, or None when it cannot be built here (the reason is logged once)."""
+    with _lock:
+        if "lib" not in _loaded:
+            try:
+                _loaded["lib"] = _bind(ctypes.CDLL(str(_build())))
+            except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+                _loaded["lib"], _loaded["error"] = None, str(e)
+                logger.warning("C kernels unavailable, using PyTorch ops: %s", e)
+        return _loaded["lib"]
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    return cc
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _build() -> Path:
+    from specserve.models.gguf_loader import cache_root
+
+    cc = _compiler()
+    sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    key = hashlib.sha256(sources + " ".join([cc, *FLAGS, _cpu_model()]).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"specserve-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True,
+                              text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {', '.join(p.name for p in SOURCES)}: {proc.stderr.strip()[:500]}")
+        os.replace(out, target)  # atomic: a concurrent process sees the old state or the whole file
+    logger.info("built the C kernels: %s", target)
+    return target
+
+
+def _bind(lib):
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "paged_attention_f32": ([ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32], ctypes.c_int),
+        "add_rms_norm_f32": ([ptr, ptr, ptr, ptr, i64, i64, f32], None),
+        "silu_mul_f32": ([ptr, ptr, i64, i64], None),
+        "rope_qk_f32": ([ptr, ptr, ptr, i64, i64, i64, i64], None),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def _lib():
+    lib = _loaded.get("lib") or load_kernel()
+    if lib is None:
+        raise RuntimeError(f"the C kernels are unavailable: {_loaded.get('error')}")
+    return lib
+
+
+def _check(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"C kernel: {name} must be a contiguous float32 tensor, got {t.dtype}")
+
+
+def paged_attention_short(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_table: torch.Tensor, query_start: torch.Tensor, query_len: torch.Tensor,
+                          context_len: torch.Tensor, scale: float) -> None:
+    """Write the attention output of the listed requests' query tokens into `out` ([N, H * D]).
+
+    q: [N, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_table: [S, W] int64;
+    query_start, query_len, context_len: [S] int64. All fp32/int64 and contiguous.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    for name, t, dtype in (("q", q, torch.float32), ("out", out, torch.float32), ("k_cache", k_cache, torch.float32),
+                           ("v_cache", v_cache, torch.float32), ("block_table", block_table, torch.int64),
+                           ("query_start", query_start, torch.int64), ("query_len", query_len, torch.int64),
+                           ("context_len", context_len, torch.int64)):
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"paged kernel: {name} must be contiguous {dtype}, got {t.dtype}")
+    failed = _lib().paged_attention_f32(
+        q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+        block_table.shape[1], query_start.data_ptr(), query_len.data_ptr(), context_len.data_ptr(),
+        len(query_start), num_heads, num_kv_heads, head_dim, block_size, float(scale))
+    if failed:
+        raise MemoryError("paged kernel: out of memory for its work buffer")
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place; x None: no add), then return rms_norm(residual) * weight. [rows, dim]."""
+    _check(residual=residual, weight=weight, **({"x": x} if x is not None else {}))
+    out = torch.empty_like(residual)
+    rows, dim = residual.shape
+    _lib().add_rms_norm_f32(x.data_ptr() if x is not None else None, residual.data_ptr(), weight.data_ptr(),
+                            out.data_ptr(), rows, dim, float(eps))
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [rows, 2 * inter] -> silu(gate) * up: [rows, inter]."""
+    _check(gate_up=gate_up)
+    rows, width = gate_up.shape
+    out = gate_up.new_empty(rows, width // 2)
+    _lib().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    return out
+
+
+def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int) -> None:
+    """Rotate the first num_heads heads (q then k) of each fused qkv row in place; cos, sin: [rows, head_dim]."""
+    _check(qkv=qkv, cos=cos, sin=sin)
+    _lib().rope_qk_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads,
+                       head_dim)

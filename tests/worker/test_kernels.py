@@ -1,0 +1,100 @@
+"""Building, caching and falling back from the C kernels."""
+import pytest
+import torch
+
+from specserve.worker import kernels
+
+
+@pytest.fixture
+def fresh_kernel_state(monkeypatch, tmp_path):
+    """An empty kernel cache and no loaded library; the real state comes back afterwards."""
+    saved = dict(kernels._loaded)
+    kernels._loaded.clear()
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    yield tmp_path
+    kernels._loaded.clear()
+    kernels._loaded.update(saved)
+
+
+def test_unknown_backend_is_refused(monkeypatch):
+    monkeypatch.setenv(kernels.ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match="SPECSERVE_KERNELS must be one of"):
+        kernels.kernel_enabled()
+
+
+def test_torch_backend_never_builds(monkeypatch, fresh_kernel_state):
+    monkeypatch.setenv(kernels.ENV_VAR, "torch")
+    assert not kernels.kernel_enabled()
+    assert "lib" not in kernels._loaded
+
+
+def test_a_failing_compiler_falls_back_to_pytorch(monkeypatch, fresh_kernel_state):
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv(kernels.ENV_VAR, "auto")
+    assert not kernels.kernel_enabled()
+    assert not kernels.kernel_usable(torch.float32)
+    monkeypatch.setenv(kernels.ENV_VAR, "c")
+    with pytest.raises(RuntimeError, match="did not build"):
+        kernels.kernel_enabled()
+
+
+@pytest.mark.skipif(kernels.load_kernel() is None, reason="no C compiler")
+def test_built_once_then_loaded_from_the_cache(fresh_kernel_state):
+    assert kernels.load_kernel() is not None
+    built = list((fresh_kernel_state / "kernels").glob("specserve-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    kernels._loaded.clear()
+    assert kernels.load_kernel() is not None
+    assert built[0].stat().st_mtime_ns == mtime  # not rebuilt
+
+
+def test_only_fp32_caches_use_the_kernel():
+    assert not kernels.kernel_usable(torch.bfloat16)
+
+
+needs_c = pytest.mark.skipif(kernels.load_kernel() is None, reason="no C compiler")
+
+
+@needs_c
+@pytest.mark.parametrize("rows", [1, 40])  # one thread, and split over threads
+def test_add_rms_norm_matches_torch(rows):
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(rows, 576, generator=g) for _ in range(2))
+    weight = torch.randn(576, generator=g)
+    expected_residual = x + residual
+    expected = torch.nn.functional.rms_norm(expected_residual, (576,), weight, 1e-5)
+    out = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)  # updated in place
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    alone = kernels.add_rms_norm(None, residual.clone(), weight, 1e-5)  # no add
+    torch.testing.assert_close(alone, expected, atol=1e-6, rtol=1e-5)
+
+
+@needs_c
+@pytest.mark.parametrize("rows", [1, 40])
+def test_silu_mul_matches_torch_over_the_whole_range(rows):
+    g = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(rows, 2 * 96, generator=g) * 8
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.0, -1e-8])  # saturation, signed zero
+    inter = gate_up.shape[1] // 2
+    expected = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(kernels.silu_mul(gate_up), expected, atol=1e-6, rtol=1e-6)
+
+
+@needs_c
+def test_rope_rotates_q_and_k_heads_in_place_and_leaves_v():
+    from specserve.models.rope import RotaryEmbedding, apply_rotary
+
+    n, heads, kv_heads, dim = 7, 4, 2, 16
+    rotary = RotaryEmbedding(dim, 64, 10000.0, None)
+    cos, sin = rotary.cos_sin(torch.tensor([0, 1, 5, 9, 20, 33, 63]))
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim)
+    q, k = qkv[:, : heads * dim].view(n, heads, dim), qkv[:, heads * dim:(heads + kv_heads) * dim].view(n, kv_heads, dim)
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+    kernels.rope_qk(qkv, cos.reshape(n, dim), sin.reshape(n, dim), heads + kv_heads, dim)
+    torch.testing.assert_close(q, expected_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k, expected_k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)
+

@@ -45,7 +45,7 @@ def _run(query_lens, context_lens, block_tables, use_kernel=False, seed=0, head_
     step_v = torch.cat([v[c - n:] for v, n, c in zip(full_v, query_lens, context_lens)])
     meta = build_attention_metadata(query_lens, context_lens, block_tables, block_size,
                                     torch.tensor(slots, dtype=torch.long), use_kernel)
-    assert (meta.kernel is not None) == (use_kernel and min(query_lens) <= 16)
+    assert (meta.kernel is not None) == use_kernel and (not use_kernel or not meta.prefills)
     scale = 1 / math.sqrt(head_dim)
     out = paged_attention(q, step_k, step_v, k_cache, v_cache, meta, scale)
     start = 0

@@ -32,20 +32,21 @@ void add_rms_norm_f32(const float *x, float *residual, const float *weight, floa
     }
 }
 
+static void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        /* silu(x) = x / (1 + exp(-x)); written with exp(-|x|) <= 1 so nothing overflows */
+        const float x = g[i];
+        const float e = exp_nonpositive(-fabsf(x));
+        o[i] = (x >= 0.0f ? x : x * e) / (1.0f + e) * u[i];
+    }
+}
+
 /* gate_up: [rows, 2 * inter] (gate then up); out: [rows, inter] = silu(gate) * up. */
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter) {
 #pragma omp parallel for if (rows >= PARALLEL_MIN_ROWS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * 2 * inter, *u = g + inter;
-        float *o = out + r * inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; i++) {
-            const float x = g[i];
-            const float e = exp_nonpositive(x < 0.0f ? x : -x); /* exp(-|x|) */
-            const float sigmoid = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-            o[i] = x * sigmoid * u[i];
-        }
-    }
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, out + r * inter, inter);
 }
 
 /* In place on the q and k heads of a fused qkv row: x * cos + rotate_half(x) * sin (rotate-half

@@ -22,7 +22,7 @@ from specserve.spec_decode.ngram import find_ngram_match, ngram_continuation
 from specserve.spec_decode.policy import DraftLengthPolicy
 
 CATEGORIES = ["summarization", "math_reasoning", "coding", "translation", "qa", "rag", "writing", "extraction"]
-SETTINGS = [(2, 5, 4), (1, 5, 4), (2, 5, 8), (1, 5, 8), (3, 5, 8), (1, 5, 12)]
+SETTINGS = [(2, 5, 4), (1, 5, 4), (1, 5, 5), (1, 5, 6), (1, 5, 8), (1, 3, 5), (1, 8, 5)]
 
 
 def generate(dataset: str, per_category: int, max_tokens: int) -> list[dict]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.worker.kernels import paged_attention_short
+from specserve.worker.kernels import paged_attention_c
 
 # Queries up to this length are batched together with padding; longer ones run alone.
 MAX_BATCHED_QUERY_LEN = 16
@@ -200,7 +200,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if meta.kernel is not None:
         kb = meta.kernel
-        paged_attention_short(q.contiguous(), out, k_cache, v_cache, kb.block_table, kb.query_start, kb.query_len,
+        paged_attention_c(q.contiguous(), out, k_cache, v_cache, kb.block_table, kb.query_start, kb.query_len,
                               kb.context_len, scale)
     for g in meta.batched:
         o = _attend(q[g.token_index], g.context.read(k_cache), g.context.read(v_cache), g.mask, scale)

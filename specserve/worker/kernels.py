@@ -1,4 +1,4 @@
-"""specserve's C kernels (csrc/): paged attention for short queries and fused decoder-layer steps.
+"""specserve's C kernels (csrc/): paged attention and fused decoder-layer steps.
 
 They are compiled on first use with the machine's C compiler (`cc -O3 -march=native -fopenmp`) into one
 library under `~/.cache/specserve/kernels/` (or `$SPECSERVE_CACHE_DIR/kernels`), keyed by the sources,
@@ -137,10 +137,10 @@ def _check(**tensors: torch.Tensor) -> None:
             raise ValueError(f"C kernel: {name} must be a contiguous float32 tensor, got {t.dtype}")
 
 
-def paged_attention_short(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def paged_attention_c(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, query_start: torch.Tensor, query_len: torch.Tensor,
                           context_len: torch.Tensor, scale: float) -> None:
-    """Write the attention output of the listed requests' query tokens into `out` ([N, H * D]).
+    """Write the attention output of the listed requests' query tokens (any query length) into `out`.
 
     q: [N, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_table: [S, W] int64;
     query_start, query_len, context_len: [S] int64. All fp32/int64 and contiguous.

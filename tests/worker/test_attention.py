@@ -13,8 +13,8 @@ BLOCK_SIZE, NUM_BLOCKS, H, HKV, D = 16, 64, 6, 2, 64
 def _dense(q, k, v, scale):
     """q: [Q, H, D] at the last Q positions of k, v: [L, Hkv, D]."""
     q_len, c_len = q.shape[0], k.shape[0]
-    k = k.repeat_interleave(H // HKV, dim=1)
-    v = v.repeat_interleave(H // HKV, dim=1)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.einsum("qhd,lhd->hql", q, k) * scale
     allowed = torch.arange(c_len)[None, :] <= torch.arange(c_len - q_len, c_len)[:, None]
     scores = scores.masked_fill(~allowed, float("-inf"))
@@ -25,22 +25,23 @@ KERNEL_BUILDS = kernels.load_kernel() is not None
 PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler"))]
 
 
-def _run(query_lens, context_lens, block_tables, use_kernel=False, seed=0, head_dim=D, block_size=BLOCK_SIZE):
+def _run(query_lens, context_lens, block_tables, use_kernel=False, seed=0, head_dim=D, block_size=BLOCK_SIZE, heads=(H, HKV)):
     """Fill each request's earlier context into the cache, run one step, compare every token's output."""
+    num_heads, num_kv_heads = heads
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(NUM_BLOCKS, block_size, HKV, head_dim, generator=g)
-    v_cache = torch.randn(NUM_BLOCKS, block_size, HKV, head_dim, generator=g)
+    k_cache = torch.randn(NUM_BLOCKS, block_size, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(NUM_BLOCKS, block_size, num_kv_heads, head_dim, generator=g)
     full_k, full_v, slots = [], [], []
     for q_len, c_len, table in zip(query_lens, context_lens, block_tables):
         ctx_slots = [table[t // block_size] * block_size + t % block_size for t in range(c_len)]
-        k = torch.randn(c_len, HKV, head_dim, generator=g)
-        v = torch.randn(c_len, HKV, head_dim, generator=g)
-        k_cache.view(-1, HKV, head_dim)[ctx_slots[: c_len - q_len]] = k[: c_len - q_len]
-        v_cache.view(-1, HKV, head_dim)[ctx_slots[: c_len - q_len]] = v[: c_len - q_len]
+        k = torch.randn(c_len, num_kv_heads, head_dim, generator=g)
+        v = torch.randn(c_len, num_kv_heads, head_dim, generator=g)
+        k_cache.view(-1, num_kv_heads, head_dim)[ctx_slots[: c_len - q_len]] = k[: c_len - q_len]
+        v_cache.view(-1, num_kv_heads, head_dim)[ctx_slots[: c_len - q_len]] = v[: c_len - q_len]
         full_k.append(k)
         full_v.append(v)
         slots += ctx_slots[c_len - q_len:]
-    q = torch.randn(sum(query_lens), H, head_dim, generator=g)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=g)
     step_k = torch.cat([k[c - n:] for k, n, c in zip(full_k, query_lens, context_lens)])
     step_v = torch.cat([v[c - n:] for v, n, c in zip(full_v, query_lens, context_lens)])
     meta = build_attention_metadata(query_lens, context_lens, block_tables, block_size,
@@ -76,6 +77,15 @@ def test_mixed_batch_with_scattered_blocks(use_kernel, block_size, head_dim):
     context_lens = [9, 14, 130, 33, 17, 4, 16]
     tables = _scattered_tables(context_lens, block_size=block_size)
     _run(query_lens, context_lens, tables, use_kernel, head_dim=head_dim, block_size=block_size)
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+def test_wide_heads_and_large_groups(use_kernel):
+    # head_dim 128 (the widest vector path) and 7 query heads per kv head (Qwen2-0.5B's 14 / 2), with a
+    # 20-token chunk: 140 rows per kv head, past the kernel's on-stack work buffer.
+    query_lens, context_lens = [1, 20, 4], [37, 52, 9]
+    tables = _scattered_tables(context_lens)
+    _run(query_lens, context_lens, tables, use_kernel, head_dim=128, heads=(14, 2))
 
 
 @pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler")

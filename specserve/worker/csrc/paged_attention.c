@@ -1,4 +1,5 @@
-/* Paged attention for short queries (decode, 1 + k verification) straight from the block pool.
+/* Paged attention straight from the block pool, for queries of any length (decode, 1 + k
+ * verification, prefill chunks).
  *
  * The PyTorch path gathers every request's blocks into a padded [B, L, Hkv, D] copy per layer and
  * then runs SDPA over it: the KV bytes cross memory three times, and at 32 requests of ~300 tokens

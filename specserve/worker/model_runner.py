@@ -5,6 +5,7 @@ execute_model prepares inputs, runs the target, samples (or verifies drafts) and
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -101,12 +102,21 @@ class ModelRunner:
         if not sched.req_ids:
             return ModelRunnerOutput([], {}, None)
         batch = self.prepare_inputs(sched)
+        start = time.perf_counter()
         with self.thread_policy.run(len(batch.input_ids)):
             hidden, aux = self.model.forward(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             sampled, logprobs = self.sample_or_verify(logits, batch)
+            if self.proposer is not None and self._is_decode_step(batch):  # the measured cost of drafting
+                self.draft_policy.observe_step(len(batch.req_ids), len(batch.input_ids), time.perf_counter() - start)
             drafts = self.propose_draft_token_ids(batch, sampled, hidden, aux)
         return ModelRunnerOutput(batch.req_ids, sampled, drafts, logprobs)
+
+    @staticmethod
+    def _is_decode_step(batch: InputBatch) -> bool:
+        """Every request decodes (1 token) or verifies its drafts (1 + n): no prefill in the step."""
+        return len(batch.sample_req_ids) == len(batch.req_ids) and len(batch.input_ids) == len(batch.req_ids) + sum(
+            map(len, batch.draft_token_ids))
 
     # ---- state --------------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -254,7 +264,7 @@ class ModelRunner:
         k = getattr(state.sampling_params, "num_speculative_tokens", None)
         k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
         room = self.max_model_len - len(state.token_ids) - 1
-        return self.draft_policy.num_drafts(state.req_id, max(0, min(k, room)))
+        return self.draft_policy.num_drafts(state.req_id, max(0, min(k, room)), seeded=state.generator is not None)
 
     def _build_draft_inputs(self, batch: InputBatch, sampled: dict[str, list[int]], hidden: torch.Tensor,
                             aux) -> DraftInputs:

@@ -28,3 +28,45 @@ def test_fixed_policy_always_drafts_k():
     policy = DraftLengthPolicy(adaptive=False)
     policy.record("r", 4, 0)
     assert policy.num_drafts("r", 5) == 5
+
+
+def _policy_with_measured_costs(costs: dict[int, float]) -> DraftLengthPolicy:
+    policy = DraftLengthPolicy()
+    for _ in range(5):
+        for num_tokens, seconds in costs.items():
+            policy.observe_step(1, num_tokens, seconds)
+    return policy
+
+
+def test_measured_step_costs_replace_the_linear_prior():
+    # as measured here: 2-6 tokens ~1.1x a one-token step, 7-9 tokens ~1.3x
+    costs = {1: 0.0223, 2: 0.0235, 3: 0.0233, 4: 0.0240, 5: 0.0245, 6: 0.0242, 7: 0.0295, 8: 0.0301, 9: 0.0290}
+    policy = _policy_with_measured_costs(costs)
+    for _ in range(10):
+        policy.record("r", 8, 4)  # accepts about 80% of drafts
+    # the prior (3.5% per draft) would take all 8 drafts; the measured jump at 7 tokens caps it at 5
+    assert best_num_drafts(policy.stats["r"].rate, 8) == 8
+    assert policy.num_drafts("r", 8) == 5
+    flat = _policy_with_measured_costs({n: 0.02 for n in range(1, 10)})
+    for _ in range(10):
+        flat.record("r", 8, 4)
+    assert flat.num_drafts("r", 8) == 8
+
+
+def test_unmeasured_sizes_and_batched_steps_use_the_prior():
+    policy = _policy_with_measured_costs({1: 0.02, 6: 0.04})  # only k = 5 measured (2x)
+    assert policy.step_costs.relative(5) == 2.0
+    assert policy.step_costs.relative(3) == 1.0 + policy.cost_per_draft * 3
+    policy.observe_step(4, 12, 0.05)  # a 4-request step: prior again, and it does not enter the table
+    assert 12 not in policy.step_costs.seconds
+    for _ in range(10):
+        policy.record("r", 5, 5)
+    assert policy.num_drafts("r", 5) == 5
+
+
+def test_seeded_requests_ignore_measured_costs():
+    policy = _policy_with_measured_costs({1: 0.02, **{n: 0.1 for n in range(2, 10)}})  # drafting measured as 5x
+    for _ in range(10):
+        policy.record("r", 8, 4)
+    assert policy.num_drafts("r", 8) == 0  # not worth it as measured...
+    assert policy.num_drafts("r", 8, seeded=True) == best_num_drafts(policy.stats["r"].rate, 8) > 0  # ...prior

@@ -32,7 +32,10 @@ def test_prefill_and_decode_match_transformers(kind, tie, ops, monkeypatch):
     assert max(worst.values()) < 1e-4, worst
 
 
-def test_long_prefill_takes_the_unbatched_path():
+def test_long_prefill_through_sdpa_per_request(monkeypatch):
+    # the PyTorch attention path runs queries over 16 tokens one request at a time (the C kernel takes
+    # every request; the test above covers it)
+    monkeypatch.setenv(kernels.ENV_VAR, "torch")
     hf = tiny_hf_model("llama")
     model = build_model(hf_config_dict(hf), hf_state_dict(hf), dtype=torch.float32)
     g = torch.Generator().manual_seed(3)

@@ -14,7 +14,9 @@ from specserve.sampling_params import SamplingParams
 from tests.server.helpers import ServerProcess, metric, scrape, wait_for_metric
 
 MAX_MODEL_LEN = 1024
-SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+# Fixed draft length: the adaptive policy may stop drafting when 32 clients make the step compute-bound,
+# and these tests need drafts in flight.
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "adaptive_draft_length": False}
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 REPETITIVE = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"

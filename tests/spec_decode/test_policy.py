@@ -70,3 +70,47 @@ def test_seeded_requests_ignore_measured_costs():
         policy.record("r", 8, 4)
     assert policy.num_drafts("r", 8) == 0  # not worth it as measured...
     assert policy.num_drafts("r", 8, seeded=True) == best_num_drafts(policy.stats["r"].rate, 8) > 0  # ...prior
+
+
+def test_batched_steps_draft_only_while_the_step_is_not_compute_bound():
+    def policy_after(step_seconds, num_requests):
+        policy = DraftLengthPolicy()
+        for i in range(40):  # step sizes vary as drafts vary
+            tokens = num_requests + (i * 7) % 25
+            policy.observe_step(num_requests, tokens, step_seconds(tokens))
+        policy.observe_step(num_requests, num_requests + 10, step_seconds(num_requests + 10))
+        for _ in range(10):
+            policy.record("r", 5, 4)  # ~80% acceptance
+        return policy
+
+    # 32 requests, compute-bound (time proportional to tokens): a draft costs a whole share; stop
+    busy = policy_after(lambda n: 0.0016 * n, 32)
+    assert busy.batch_fit.draft_cost(32) > 0.95
+    assert busy.num_drafts("r", 5) == 0
+    # 2 requests, memory-bound (a large fixed cost): drafts are cheap; draft fully
+    light = policy_after(lambda n: 0.020 + 0.0005 * n, 2)
+    assert light.batch_fit.draft_cost(2) < 0.1
+    assert light.num_drafts("r", 5) == 5
+
+
+def test_batch_fit_keeps_its_last_slope_when_steps_stop_varying():
+    from specserve.spec_decode.policy import LinearStepFit
+
+    fit = LinearStepFit()
+    for i in range(30):
+        fit.observe(32 + i % 10, 0.001 * (32 + i % 10))
+    slope = fit.fit[1]
+    for i in range(200):  # drafting stopped: every step the same size, timings a little noisy
+        fit.observe(32, 0.032 * (1 + 0.01 * (i % 3 - 1)))
+    assert abs(fit.fit[1] - slope) < 0.1 * slope
+
+
+def test_no_probing_when_a_draft_costs_a_whole_step_share():
+    policy = DraftLengthPolicy()
+    for i in range(40):
+        tokens = 32 + (i * 7) % 25
+        policy.observe_step(32, tokens, 0.0016 * tokens)
+    policy.observe_step(32, 32, 0.0016 * 32)
+    for _ in range(10):
+        policy.record("r", 4, 0)
+    assert [policy.num_drafts("r", 5) for _ in range(3 * PROBE_EVERY)] == [0] * (3 * PROBE_EVERY)

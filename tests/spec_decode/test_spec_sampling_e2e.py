@@ -7,7 +7,9 @@ from specserve.sampling_params import SamplingParams
 PROMPTS = ["List the days of the week: Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. "
            "Again: Monday, Tuesday,",
            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"]
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+# A fixed draft length, so every test has drafts to verify; the adaptive one gets its own seeded test below.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
+        "adaptive_draft_length": False}
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +41,11 @@ def test_logprobs_under_speculation_match_plain_decoding(engines):
                 assert abs(lw[tid].logprob - lg[tid].logprob) < 1e-3 and lw[tid].rank == lg[tid].rank
 
 
-def test_seeded_sampling_with_speculation_is_reproducible_in_any_batch(engines):
-    _, spec = engines
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_seeded_sampling_with_speculation_is_reproducible_in_any_batch(engines, adaptive):
+    spec = engines[1]
+    if adaptive:  # drafts per step then depend on acceptance; a seeded request's draws must not
+        spec = LLM(max_model_len=512, speculative_config=dict(SPEC, adaptive_draft_length=True))
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=32, ignore_eos=True)
     alone = spec.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)

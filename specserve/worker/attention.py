@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from specserve.worker.kernels import paged_attention_c
 
-# Queries up to this length are batched together with padding; longer ones run alone.
+# PyTorch path: queries up to this length are batched together with padding; longer ones run alone.
 MAX_BATCHED_QUERY_LEN = 16
 # A new length bucket starts past first_len * GROWTH + SLACK tokens of context.
 BUCKET_GROWTH, BUCKET_SLACK = 1.5, 64

@@ -79,6 +79,9 @@ class StepCosts:
         self.samples: dict[int, int] = {}
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens not in self.samples:  # the first step of a size builds oneDNN kernels for it: skip
+            self.samples[num_tokens] = 0
+            return
         old = self.seconds.get(num_tokens)
         self.seconds[num_tokens] = seconds if old is None else self.EMA * old + (1 - self.EMA) * seconds
         self.samples[num_tokens] = self.samples.get(num_tokens, 0) + 1

@@ -25,6 +25,7 @@ class ThreadPolicy:
         self.choices = sorted({1, self.max_threads}, reverse=True)  # all threads first: the usual winner
         self.seconds: dict[tuple[int, int], float] = {}  # (bucket, threads) -> seconds per token, averaged
         self.steps: dict[int, int] = {}
+        self.seen_sizes: set[int] = set()
 
     def _bucket(self, num_tokens: int) -> int:
         return max(b for b in BUCKETS if num_tokens >= b)
@@ -36,11 +37,18 @@ class ThreadPolicy:
         if unmeasured:
             return unmeasured[0]
         best = min(self.choices, key=lambda t: self.seconds[(bucket, t)])
-        if step % EXPLORE_EVERY == 0:
-            return next(t for t in self.choices if t != best) if len(self.choices) > 1 else best
+        # Re-measure the other choice at steps 4, 8, 16, 32, then every EXPLORE_EVERY: an early wrong
+        # pick (one noisy step) is corrected quickly, a settled one costs little.
+        explore = step % EXPLORE_EVERY == 0 if step >= EXPLORE_EVERY else step >= 4 and step & (step - 1) == 0
+        if explore and len(self.choices) > 1:
+            return next(t for t in self.choices if t != best)
         return best
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        if num_tokens < BUCKETS[2] and num_tokens not in self.seen_sizes:
+            # A new small step size builds new oneDNN kernels, a large share of a ~25 ms step: skip it.
+            self.seen_sizes.add(num_tokens)
+            return
         key = (self._bucket(num_tokens), threads)
         per_token = seconds / max(num_tokens, 1)
         old = self.seconds.get(key)

@@ -175,8 +175,8 @@ class LlamaForCausalLM:
         self.config = cfg
         self.dtype = dtype
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        c_ops = kernels.kernel_usable(dtype)
-        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", weight_dtype, c_ops)
+        self.c_ops = kernels.kernel_usable(dtype)  # fused C layer steps (fp32 only)
+        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", weight_dtype, self.c_ops)
                        for i in range(cfg.num_hidden_layers)]
         self.norm = weights["model.norm.weight"]
         lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights.get("lm_head.weight", self.embed_tokens)
@@ -206,7 +206,7 @@ class LlamaForCausalLM:
             if aux is not None and i in self.aux_hidden_layers:
                 aux.append(x.clone() if residual is None else x + residual)  # C layers update residual in place
             x, residual = layer.forward(x, residual, cos, sin, kv_caches[i], meta)
-        if self.layers and self.layers[0].c_ops:
+        if self.c_ops:
             return kernels.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps), aux
         return rms_norm(x + residual, self.norm, self.config.rms_norm_eps), aux
 

@@ -131,10 +131,10 @@ def _lib():
     return lib
 
 
-def _check(**tensors: torch.Tensor) -> None:
+def _check(dtype: torch.dtype = torch.float32, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"C kernel: {name} must be a contiguous float32 tensor, got {t.dtype}")
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"C kernel: {name} must be a contiguous {dtype} tensor, got {t.dtype}")
 
 
 def paged_attention_c(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -147,12 +147,9 @@ def paged_attention_c(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    for name, t, dtype in (("q", q, torch.float32), ("out", out, torch.float32), ("k_cache", k_cache, torch.float32),
-                           ("v_cache", v_cache, torch.float32), ("block_table", block_table, torch.int64),
-                           ("query_start", query_start, torch.int64), ("query_len", query_len, torch.int64),
-                           ("context_len", context_len, torch.int64)):
-        if t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"paged kernel: {name} must be contiguous {dtype}, got {t.dtype}")
+    _check(q=q, out=out, k_cache=k_cache, v_cache=v_cache)
+    _check(torch.int64, block_table=block_table, query_start=query_start, query_len=query_len,
+           context_len=context_len)
     failed = _lib().paged_attention_f32(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
         block_table.shape[1], query_start.data_ptr(), query_len.data_ptr(), context_len.data_ptr(),

@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import glob
 import json
 import os
 import platform
@@ -121,20 +120,9 @@ DEFAULT_BACKENDS = [b for b in EXACT if b != "onednn_fp16_dyn"]
 
 class _OpenBLAS:
     def __init__(self) -> None:
-        self.lib = None
-        self.prefix = ""
-        libdir = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
-        for path in sorted(glob.glob(os.path.join(libdir, "*openblas*"))):
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError:
-                continue
-            for prefix in ("scipy_openblas", "openblas"):
-                for suffix in ("64_", ""):
-                    name = f"{prefix}_get_num_threads{suffix}"
-                    if hasattr(lib, name):
-                        self.lib, self.prefix, self.suffix = lib, prefix, suffix
-                        return
+        from specserve.models.linear import find_openblas
+
+        self.lib, self.prefix, self.suffix = find_openblas() or (None, "", "")
 
     def _fn(self, name: str):
         return getattr(self.lib, f"{self.prefix}_{name}{self.suffix}")

@@ -185,7 +185,8 @@ except (ValueError, RuntimeError) as _e:  # do not break `import specserve.model
 # OpenBLAS thread control (ctypes into numpy's bundled scipy-openblas; no threadpoolctl)
 
 
-def _find_openblas_setter():
+def find_openblas():
+    """(library, symbol prefix, symbol suffix) of numpy's bundled OpenBLAS, or None when not found."""
     libdir = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
     for path in sorted(glob.glob(os.path.join(libdir, "*openblas*"))):
         try:
@@ -194,11 +195,18 @@ def _find_openblas_setter():
             continue
         for prefix in ("scipy_openblas", "openblas"):
             for suffix in ("64_", ""):
-                get = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
-                set_ = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
-                if get is not None and set_ is not None:
-                    return get, set_
-    return None, None
+                names = (f"{prefix}_get_num_threads{suffix}", f"{prefix}_set_num_threads{suffix}")
+                if all(hasattr(lib, name) for name in names):
+                    return lib, prefix, suffix
+    return None
+
+
+def _find_openblas_setter():
+    found = find_openblas()
+    if found is None:
+        return None, None
+    lib, prefix, suffix = found
+    return getattr(lib, f"{prefix}_get_num_threads{suffix}"), getattr(lib, f"{prefix}_set_num_threads{suffix}")
 
 
 _openblas_get, _openblas_set = _find_openblas_setter()

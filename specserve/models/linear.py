@@ -1,21 +1,33 @@
 """Fast inference-only linear layers for CPU.
 
 ``FastLinear(weight[out, in], bias=None)`` computes ``x @ weight.T + bias`` like
-``torch.nn.functional.linear``, but dispatches each call to the fastest measured
-kernel for its row count (number of tokens in the step):
+``torch.nn.functional.linear``, with the weight prepared once for the kernel it will use:
 
+* ``c`` (what ``auto`` picks when specserve's C kernels build): our own fp32 GEMM
+  (``specserve/worker/csrc/gemm.c``) on a weight packed into 32-column blocks. Up to 8 rows share
+  every weight load, so a verification step over 2-8 tokens streams the weights once, like a
+  one-token decode step; each output is one summation in a fixed order, so a row's result does not
+  depend on how many rows are computed with it (batch invariance: a verified token sees exactly the
+  numbers plain decoding would have).
 * oneDNN inner product with a weight pre-packed once at construction
-  (``torch.ops.mkldnn._reorder_linear_weight`` + ``torch.ops.mkldnn._linear_pointwise``;
-  the input stays an ordinary strided tensor, no ``to_mkldnn()`` conversion), at every row count;
+  (``torch.ops.mkldnn._reorder_linear_weight`` + ``torch.ops.mkldnn._linear_pointwise``) when the
+  C kernels are unavailable;
 * numpy ``matmul`` (OpenBLAS sgemv at one row, single thread) for one row when this torch build
-  has no oneDNN, and torch's ``F.linear`` above.
+  has no oneDNN either, and torch's ``F.linear`` above.
 
-Until 2026-12-02 ``auto`` sent one-row calls to numpy, which wins cache-hot per-call timings
-(table below). Streaming a whole model's weights, which is what a decode step does, it loses:
+Why ``c`` (2026-12-02, ``benchmarks/matmul_backends.py``-style whole-model streaming: SmolLM2's 120
+layer weights + lm_head, distinct weights per call, 2 threads, medians of 7 interleaved rounds):
+
+    rows         1      2      4      6      8     16     32     64    128    512
+    c (ms)     13.6   12.9   13.9   14.4   14.8   18.2   28.0   45.8   84.3  339
+    oneDNN     15.4   16.2   17.0   15.7   17.9   20.9   30.9   50.8   87.0  342
+
+(1 thread: 15.5 vs 19.0 at one row, 22.3 vs 26.5 at eight.)
+
+Until 2026-12-02 ``auto`` was oneDNN at every row count; before that it sent one-row calls to numpy,
+which wins cache-hot per-call timings (table below) but loses streaming a whole model:
 SmolLM2's 121 linears at one row, medians of 15 interleaved rounds, took 19.6 ms with numpy
-(1 or 2 threads alike), 17.1 ms with oneDNN on 1 thread and 14.7 ms on 2 threads; a whole decode
-step went from 23.5-25.1 ms to 16.5-19.1 ms. The runner's thread policy picks 1 or 2 threads by
-measurement, which covers the busy-machine case that made one-row numpy attractive.
+(1 or 2 threads alike), 17.1 ms with oneDNN on 1 thread and 14.7 ms on 2 threads.
 
 Both are exact fp32 (same products, different summation order: max relative error vs.
 ``F.linear`` ~1e-6). The plain ``torch`` path (``F.linear`` -> MKL sgemm) ties at one row
@@ -68,7 +80,7 @@ region can stall for a scheduler tick when the other vCPU is busy (measured ~1 s
 8-row step vs 39 ms with 1 thread). Thread counts are the caller's business; see the
 benchmark's ``passive`` config (OMP_WAIT_POLICY=passive) and torch.set_num_threads(1).
 
-Backend override: ``SPECSERVE_LINEAR_BACKEND`` in {auto, torch, numpy, onednn}
+Backend override: ``SPECSERVE_LINEAR_BACKEND`` in {auto, c, torch, numpy, onednn}
 (read when a FastLinear is constructed; ``auto`` is the default above), or the
 ``backend=`` constructor argument.
 
@@ -103,10 +115,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specserve.worker import kernels
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "SPECSERVE_LINEAR_BACKEND"
-BACKENDS = ("auto", "torch", "numpy", "onednn")
+BACKENDS = ("auto", "c", "torch", "numpy", "onednn")
 
 # auto without oneDNN: numpy for rows <= NUMPY_MAX_ROWS, torch above.
 NUMPY_MAX_ROWS = 1
@@ -161,15 +175,21 @@ _INT8_REDUCE_RANGE = not ({"avx512_vnni", "avx_vnni", "amx_int8"} & _CPU_FLAGS)
 def select_backend(backend: Optional[str] = None) -> str:
     """Resolve the backend name: explicit argument > $SPECSERVE_LINEAR_BACKEND > "auto".
 
-    "auto" means oneDNN at every row count; if oneDNN is not usable in this torch build, it
-    degrades to numpy for rows <= NUMPY_MAX_ROWS and torch above.
+    "auto" means the C GEMM when specserve's C kernels build, else oneDNN at every row count; if oneDNN
+    is not usable in this torch build either, numpy for rows <= NUMPY_MAX_ROWS and torch above.
     """
     name = backend if backend is not None else os.environ.get(ENV_VAR, "").strip().lower() or "auto"
     if name not in BACKENDS:
         raise ValueError(f"{ENV_VAR}/backend must be one of {BACKENDS}, got {name!r}")
     if name == "onednn" and not ONEDNN_AVAILABLE:
         raise RuntimeError("oneDNN (mkldnn) linear ops are not available in this torch build")
+    if name == "c" and not _c_kernels():
+        raise RuntimeError("the C GEMM is not available (specserve's C kernels did not build or SPECSERVE_KERNELS=torch)")
     return name
+
+
+def _c_kernels() -> bool:
+    return kernels.kernel_enabled()
 
 
 # Backend picked for this process at import time (FastLinear re-reads the env var on
@@ -267,7 +287,7 @@ class FastLinear(torch.nn.Module):
             a reference to it only where a backend reads it directly, e.g. the numpy path
             uses the contiguous fp32 weight without copying).
         bias: optional ``[out_features]``.
-        backend: "auto" | "torch" | "numpy" | "onednn"; default from $SPECSERVE_LINEAR_BACKEND.
+        backend: "auto" | "c" | "torch" | "numpy" | "onednn"; default from $SPECSERVE_LINEAR_BACKEND.
         weight_dtype: None (exact fp32, default) or an *approximate* opt-in:
             ``torch.bfloat16`` (oneDNN bf16) or ``"int8"`` (fbgemm dynamic quantization).
             With a weight_dtype the backend argument is ignored.
@@ -300,6 +320,7 @@ class FastLinear(torch.nn.Module):
         self._w = None  # dense fp32 [out, in] (torch path; numpy 1-row path without oneDNN)
         self._w_np = None  # numpy view of _w
         self._wt_np = None  # numpy [in, out] contiguous (forced numpy backend, all rows)
+        self._w_blocks = None  # fp32 weight packed for the C GEMM: [ceil(out / 32), in, 32]
         self._w_packed = None  # oneDNN-packed fp32 weight (opaque mkldnn tensor)
         self._w_packed_bf16 = None  # oneDNN-packed bf16 weight
         self._w_int8 = None  # fbgemm packed params
@@ -322,6 +343,9 @@ class FastLinear(torch.nn.Module):
             self._wt_np = w.t().contiguous().numpy()
             self._numpy_max_rows = 1 << 62
             self._slow = "numpy"
+        elif self.backend == "c" or (self.backend == "auto" and _c_kernels()):
+            self._w_blocks = kernels.pack_gemm_weight(w)
+            self._slow = "c"
         elif self.backend == "onednn":
             self._w_packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             self._slow = "onednn"
@@ -358,6 +382,8 @@ class FastLinear(torch.nn.Module):
             return self._w
         if self._wt_np is not None:
             return torch.from_numpy(self._wt_np).t()
+        if self._w_blocks is not None:
+            return kernels.unpack_gemm_weight(self._w_blocks, self.out_features)
         if self._w_packed is not None:
             return self._w_packed.to_dense()
         if self._w_packed_bf16 is not None:
@@ -366,7 +392,7 @@ class FastLinear(torch.nn.Module):
         return w.dequantize()
 
     def path_for_rows(self, rows: int) -> str:
-        """Which kernel a call with ``rows`` rows uses ("numpy", "onednn", "torch", "bf16", "int8")."""
+        """Which kernel a call with ``rows`` rows uses ("c", "numpy", "onednn", "torch", "bf16", "int8")."""
         return "numpy" if rows <= self._numpy_max_rows else self._slow
 
     # ------------------------------------------------------------------
@@ -382,6 +408,9 @@ class FastLinear(torch.nn.Module):
         if rows <= self._numpy_max_rows:
             return self._forward_numpy(x, lead, rows)
         path = self._slow
+        if path == "c":
+            y = kernels.gemm_packed(x.reshape(rows, self.in_features).contiguous(), self._w_blocks, self.bias, self.out_features)
+            return y.view(*lead, self.out_features)
         if path == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self._w_packed, self.bias, "none", [], "")
         if path == "torch":

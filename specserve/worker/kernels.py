@@ -1,4 +1,4 @@
-"""specserve's C kernels (csrc/): paged attention and fused decoder-layer steps.
+"""specserve's C kernels (csrc/): paged attention, fused decoder-layer steps and the fp32 linear layers.
 
 They are compiled on first use with the machine's C compiler (`cc -O3 -march=native -fopenmp`) into one
 library under `~/.cache/specserve/kernels/` (or `$SPECSERVE_CACHE_DIR/kernels`), keyed by the sources,
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "SPECSERVE_KERNELS"
 BACKENDS = ("auto", "c", "torch")
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "layer_ops.c")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "layer_ops.c", "gemm.c")]
 HEADERS = [Path(__file__).parent / "csrc" / "specserve_math.h"]
 # -fno-trapping-math lets GCC vectorize floorf (no FP exceptions are relied on anywhere).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -117,6 +117,7 @@ def _bind(lib):
         "add_rms_norm_f32": ([ptr, ptr, ptr, ptr, i64, i64, f32], None),
         "silu_mul_f32": ([ptr, ptr, i64, i64], None),
         "rope_qk_f32": ([ptr, ptr, ptr, i64, i64, i64, i64], None),
+        "gemm_packed_f32": ([ptr, ptr, ptr, ptr, i64, i64, i64], None),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
@@ -182,3 +183,33 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
     _check(qkv=qkv, cos=cos, sin=sin)
     _lib().rope_qk_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads,
                        head_dim)
+
+
+GEMM_BLOCK = 32  # output columns per packed block (csrc/gemm.c)
+
+
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp32 -> the block layout gemm_packed reads: [ceil(N / 32), K, 32], zero columns past N."""
+    n, k = weight.shape
+    blocks = -(-n // GEMM_BLOCK)
+    padded = weight.new_zeros(blocks * GEMM_BLOCK, k)
+    padded[:n] = weight
+    return padded.view(blocks, GEMM_BLOCK, k).transpose(1, 2).contiguous()
+
+
+def unpack_gemm_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of pack_gemm_weight: [N, K]."""
+    blocks, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * GEMM_BLOCK, k)[:out_features].contiguous()
+
+
+def gemm_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, N] with W packed by pack_gemm_weight; each row's result is the same
+    whatever M is (one summation order per output)."""
+    _check(x=x, packed=packed, **({"bias": bias} if bias is not None else {}))
+    rows, k = x.shape
+    y = x.new_empty(rows, out_features)
+    if rows:
+        _lib().gemm_packed_f32(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+                               y.data_ptr(), rows, k, out_features)
+    return y

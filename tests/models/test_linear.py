@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from specserve.models import linear as L
 from specserve.models.linear import FastLinear
 
-EXACT_BACKENDS = ["auto", "torch", "numpy"] + (["onednn"] if L.ONEDNN_AVAILABLE else [])
+C_AVAILABLE = L._c_kernels()
+EXACT_BACKENDS = ["auto", "torch", "numpy"] + (["onednn"] if L.ONEDNN_AVAILABLE else []) + (["c"] if C_AVAILABLE else [])
+AUTO_PATH = "c" if C_AVAILABLE else "onednn" if L.ONEDNN_AVAILABLE else None
 ROWS = [1, 2, 3, 8, 33]
 
 
@@ -97,21 +99,23 @@ def test_auto_policy_paths():
     w, _ = _weights()
     lin = FastLinear(w)
     assert lin.backend == "auto"
-    assert lin.path_for_rows(1) == ("onednn" if L.ONEDNN_AVAILABLE else "numpy")
-    assert lin.path_for_rows(2) == ("onednn" if L.ONEDNN_AVAILABLE else "torch")
+    assert lin.path_for_rows(1) == (AUTO_PATH or "numpy")
+    assert lin.path_for_rows(2) == (AUTO_PATH or "torch")
     assert lin.path_for_rows(512) == lin.path_for_rows(2)
 
 
-@pytest.mark.parametrize("name", ["torch", "numpy", "onednn", "auto"])
+@pytest.mark.parametrize("name", ["torch", "numpy", "onednn", "c", "auto"])
 def test_env_override(monkeypatch, name):
     if name == "onednn" and not L.ONEDNN_AVAILABLE:
         pytest.skip("no oneDNN")
+    if name == "c" and not C_AVAILABLE:
+        pytest.skip("no C compiler")
     monkeypatch.setenv(L.ENV_VAR, name.upper() if name == "numpy" else name)
     assert L.select_backend() == name
     w, b = _weights()
     lin = FastLinear(w, b)
     assert lin.backend == name
-    expected = {"torch": "torch", "numpy": "numpy", "onednn": "onednn", "auto": "onednn" if L.ONEDNN_AVAILABLE else "torch"}
+    expected = {"torch": "torch", "numpy": "numpy", "onednn": "onednn", "c": "c", "auto": AUTO_PATH or "torch"}
     assert lin.path_for_rows(8) == expected[name]
     with torch.inference_mode():
         x = torch.randn(8, w.shape[1])
@@ -253,6 +257,18 @@ def test_default_is_exact_fp32():
     w, b = _weights()
     lin = FastLinear(w, b)
     assert lin.weight_dtype is None
-    assert lin.backend in ("auto", "torch", "numpy", "onednn")
+    assert lin.backend in ("auto", "c", "torch", "numpy", "onednn")
     with pytest.raises(ValueError):
         FastLinear(w, weight_dtype=torch.float16)
+
+
+def test_without_c_kernels_auto_uses_onednn_and_c_is_refused(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_KERNELS", "torch")
+    w, b = _weights()
+    lin = FastLinear(w, b)
+    assert lin.path_for_rows(4) == ("onednn" if L.ONEDNN_AVAILABLE else "torch")
+    with torch.inference_mode():
+        x = torch.randn(4, w.shape[1])
+        _check(lin(x), F.linear(x, w, b))
+    with pytest.raises(RuntimeError, match="C GEMM is not available"):
+        FastLinear(w, backend="c")

@@ -325,3 +325,22 @@ def test_rejects_inputs_of_the_wrong_shape():
         RejectionSampler()(spec, torch.zeros(3, V), meta, [torch.zeros(3, V)])
     with pytest.raises(ValueError, match="draft token ids"):
         RejectionSampler()(spec_for([[1, V]]), torch.zeros(3, V), meta)
+
+
+def test_plain_greedy_shortcut_agrees_with_the_general_path():
+    """Greedy without penalties takes a one-argmax shortcut; asking for logprobs forces the general path,
+    which must emit the same tokens on random ragged batches (drafts often, not always, the argmax)."""
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(30):
+        counts = torch.randint(0, 5, (4,), generator=gen).tolist()
+        logits = torch.randn(sum(counts) + 4, V, generator=gen)
+        spec = spec_for([[0] * n for n in counts])
+        raw = logits.argmax(-1)
+        noise = torch.randint(0, V, (sum(counts),), generator=gen)
+        keep = torch.rand(sum(counts), generator=gen) < 0.7
+        drafts = torch.where(keep, raw[spec.target_logits_indices], noise).tolist()
+        per_request = [drafts[sum(counts[:i]):sum(counts[:i + 1])] for i in range(4)]
+        fast = verify(per_request, logits, [GREEDY] * 4)
+        general = verify(per_request, logits, [SamplingParams(temperature=0, logprobs=1)] * 4)
+        assert fast.token_ids == general.token_ids and fast.num_accepted == general.num_accepted
+        assert general.logprobs is not None and fast.logprobs is None

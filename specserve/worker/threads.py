@@ -16,6 +16,11 @@ BUCKETS = (1, 2, 17, 64)  # lower bounds of the step-size buckets, in tokens
 # Steps of a bucket between two measurements of the other choice. Each one costs a step at the slower
 # setting (1.4-1.8x the time here), so at 16 the exploring alone took ~3% of a 32-request decode.
 EXPLORE_EVERY = 64
+# An exploring step that ran this much slower than the choice in use doubles the interval to the next one,
+# up to MAX_EXPLORE_EVERY: with another process busy on one core, a 2-thread step with spinning OpenMP
+# workers took ~2x a 1-thread one, which re-measured every 64 steps would cost ~2% for nothing.
+SLOW_EXPLORE = 1.5
+MAX_EXPLORE_EVERY = 1024
 EMA = 0.7  # weight of the history in the moving averages
 
 
@@ -26,6 +31,9 @@ class ThreadPolicy:
         self.seconds: dict[tuple[int, int], float] = {}  # (bucket, threads) -> seconds per token, averaged
         self.steps: dict[int, int] = {}
         self.seen_sizes: set[int] = set()
+        self.interval: dict[int, int] = {}  # bucket -> steps between explorations, from step EXPLORE_EVERY on
+        self.next_explore: dict[int, int] = {}
+        self.exploring: set[int] = set()  # buckets whose current step runs the other choice
 
     def _bucket(self, num_tokens: int) -> int:
         return max(b for b in BUCKETS if num_tokens >= b)
@@ -39,8 +47,14 @@ class ThreadPolicy:
         best = min(self.choices, key=lambda t: self.seconds[(bucket, t)])
         # Re-measure the other choice at steps 4, 8, 16, 32, then every EXPLORE_EVERY: an early wrong
         # pick (one noisy step) is corrected quickly, a settled one costs little.
-        explore = step % EXPLORE_EVERY == 0 if step >= EXPLORE_EVERY else step >= 4 and step & (step - 1) == 0
+        if step >= EXPLORE_EVERY:
+            explore = step >= self.next_explore.get(bucket, EXPLORE_EVERY)
+            if explore:
+                self.next_explore[bucket] = step + self.interval.get(bucket, EXPLORE_EVERY)
+        else:
+            explore = step >= 4 and step & (step - 1) == 0
         if explore and len(self.choices) > 1:
+            self.exploring.add(bucket)
             return next(t for t in self.choices if t != best)
         return best
 
@@ -49,8 +63,17 @@ class ThreadPolicy:
             # A new small step size builds new oneDNN kernels, a large share of a ~25 ms step: skip it.
             self.seen_sizes.add(num_tokens)
             return
-        key = (self._bucket(num_tokens), threads)
+        bucket = self._bucket(num_tokens)
+        key = (bucket, threads)
         per_token = seconds / max(num_tokens, 1)
+        if bucket in self.exploring:
+            self.exploring.discard(bucket)
+            in_use = min((v for (b, t), v in self.seconds.items() if b == bucket and t != threads), default=None)
+            slow = in_use is not None and per_token > SLOW_EXPLORE * in_use
+            interval = min(2 * self.interval.get(bucket, EXPLORE_EVERY), MAX_EXPLORE_EVERY) if slow else EXPLORE_EVERY
+            self.interval[bucket] = interval
+            if self.steps.get(bucket, 0) >= EXPLORE_EVERY:
+                self.next_explore[bucket] = self.steps[bucket] + interval  # the new interval, from this step
         old = self.seconds.get(key)
         self.seconds[key] = per_token if old is None else EMA * old + (1 - EMA) * per_token
 

@@ -24,3 +24,26 @@ def test_run_restores_the_thread_count():
     with policy.run(3):
         pass
     assert torch.get_num_threads() == before
+
+
+def test_exploring_backs_off_while_the_other_choice_stays_much_slower_and_resets_when_it_is_not():
+    from specserve.worker.threads import MAX_EXPLORE_EVERY
+
+    policy = ThreadPolicy(max_threads=2)
+
+    def run(steps, seconds):
+        two_threads = []
+        for _ in range(steps):
+            t = policy.choose(1)
+            policy.record(1, t, seconds[t])
+            two_threads.append(t == 2)
+        return two_threads
+
+    run(2, {1: 0.02, 2: 0.02})  # first steps: each choice measured (the very first is skipped)
+    slow = run(4000, {1: 0.02, 2: 0.06})  # 2 threads 3x slower: 1 thread in use, explorations spread out
+    gaps = [b - a for a, b in zip(*[[i for i, e in enumerate(slow) if e][j:] for j in (0, 1)])]
+    assert gaps == sorted(gaps) and gaps[0] < gaps[-1] == MAX_EXPLORE_EVERY
+    assert sum(slow) < 4000 / EXPLORE_EVERY / 2
+    fast_again = run(3 * MAX_EXPLORE_EVERY, {1: 0.02, 2: 0.01})
+    # the first exploration after the change is not slow: every 64 steps again until 2 threads take over
+    assert fast_again[-EXPLORE_EVERY:].count(True) >= EXPLORE_EVERY - 1

@@ -71,6 +71,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     # draft_model
     model: str | None = None
+    # vLLM's name: how the draft model's linear weights are stored; None follows the target's storage,
+    # "int8" quantizes the drafter alone (a cheaper, approximate draft; verification keeps output exact).
+    quantization: str | None = None
     # suffix (SuffixDecoding): vLLM's names
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
@@ -91,6 +94,11 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model is required for method 'draft_model' "
                              "(a HF folder or .gguf file with the target's vocabulary)")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"speculative_config.quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization is not None and self.method != "draft_model":
+            raise ValueError("speculative_config.quantization applies to method 'draft_model' only, "
+                             f"not {self.method!r}")
         if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
             raise ValueError("suffix_decoding_max_tree_depth must be >= 1 and "
                              "suffix_decoding_max_cached_requests >= 0")

@@ -11,6 +11,8 @@ from specserve.config import EngineConfig, SpeculativeConfig
     ({"method": "draft_model"}, "speculative_config.model is required"),
     ({"method": "ngram", "num_speculative_token": 3}, "unknown speculative_config key"),
     ({"num_speculative_tokens": 3}, "method is required"),
+    ({"method": "draft_model", "model": "x.gguf", "quantization": "int4"}, "quantization must be None or 'int8'"),
+    ({"method": "ngram", "quantization": "int8"}, "applies to method 'draft_model' only"),
 ])
 def test_invalid_speculative_configs_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):

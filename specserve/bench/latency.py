@@ -14,9 +14,10 @@ from typing import Any, Callable, Sequence
 from specserve.bench.common import (
     DEFAULT_DATASET, BenchPrompt, Stopwatch, environment_info, format_table, load_hf_model, median,
     prompts_summary, read_specbench, render_prompts, safe_div, write_json)
+from specserve.models.loader import default_model_path
 
 DEFAULT_OUTPUT = "bench_results/latency.json"
-DEFAULT_METHODS = "ngram,suffix"
+DEFAULT_METHODS = "ngram,suffix,draft_model"
 # num_speculative_tokens per method when --num-speculative-tokens is not given. At most 6 tokens per step:
 # here a step over 7 or more tokens costs ~1.3x a one-token step (oneDNN changes kernels), over 2-6 ~1.1x.
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 5, "suffix": 5, "draft_model": 4}
@@ -98,7 +99,9 @@ def add_parser(bench_sub) -> None:
                    help=f"k for every speculative method (default per method: {DEFAULT_NUM_SPECULATIVE_TOKENS})")
     p.add_argument("--spec-config-json", type=json.loads, default=None,
                    help='per-method speculative_config overrides, e.g. \'{"ngram": {"prompt_lookup_max": 3}}\'')
-    p.add_argument("--draft-model", default=None, help="HF folder or .gguf file for the draft_model method")
+    p.add_argument("--draft-model", default=None,
+                   help="HF folder or .gguf file for the draft_model method (default: the target model itself "
+                        "with int8 weights, an approximate self-draft)")
     p.add_argument("--skip-hf", action="store_true", help="run specserve only")
     p.add_argument("--output-json", default=DEFAULT_OUTPUT, help="where to write results (default: %(default)s)")
     add_engine_args(p, speculation_flags=False)
@@ -144,9 +147,10 @@ def spec_configs(args: argparse.Namespace) -> dict[str, dict]:
         config = {"method": method,
                   "num_speculative_tokens": args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS[method]}
         if method == "draft_model":
-            if not args.draft_model and "model" not in overrides.get(method, {}):
-                raise ValueError("--methods draft_model needs --draft-model PATH")
-            config["model"] = args.draft_model
+            if args.draft_model:
+                config["model"] = args.draft_model
+            else:  # no smaller model shares SmolLM2's tokenizer here: its own weights in int8 draft for it
+                config.update(model=args.model or default_model_path(), quantization="int8")
         config.update(overrides.get(method, {}))
         if config["method"] != method:
             raise ValueError(f"--spec-config-json: the {method!r} entry cannot change its method")

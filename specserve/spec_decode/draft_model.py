@@ -31,8 +31,8 @@ class _DraftRequest:
 class DraftModelProposer:
     def __init__(self, spec_config, target_model, ctx: dict) -> None:
         loaded = load_model_weights(spec_config.model, dtype=ctx["dtype"])
-        self.model = build_model(loaded.config, loaded.state_dict, dtype=ctx["dtype"],
-                                 weight_dtype=ctx.get("weight_dtype"))
+        weight_dtype = "int8" if spec_config.quantization == "int8" else ctx.get("weight_dtype")
+        self.model = build_model(loaded.config, loaded.state_dict, dtype=ctx["dtype"], weight_dtype=weight_dtype)
         target_vocab, draft_vocab = target_model.config.vocab_size, self.model.config.vocab_size
         if target_vocab != draft_vocab:
             raise ValueError(f"speculative_config.model {spec_config.model!r} has a vocabulary of {draft_vocab} "

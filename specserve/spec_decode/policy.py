@@ -29,6 +29,7 @@ DEFAULT_COST_PER_DRAFT = 0.035
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 2.0  # optimistic start: new requests draft
 DECAY = 0.8  # weight of the history at each verification: adapts within a few steps
 PROBE_EVERY = 8  # steps without drafting before one probing draft
+DRAFTING_EMA = 0.8  # weight of the history in the proposer's seconds per draft token
 MAX_PROBE_COST = 0.5  # no probing when one draft costs this much of a step share (a busy, compute-bound batch)
 
 
@@ -120,14 +121,19 @@ class LinearStepFit:
             per_token = max((sxy / w - mean_x * mean_y) / var_x, 0.0)
             self.fit = (max(mean_y - per_token * mean_x, 0.0), per_token)
 
-    def draft_cost(self, num_requests: int) -> float | None:
-        """One draft token's cost relative to one request's share of a plain step (one token each) of
-        num_requests requests; None before a fit."""
+    def share(self, num_requests: int) -> float | None:
+        """Seconds of one request's share of a plain step (one token each) of num_requests requests."""
         if self.fit is None:
             return None
         fixed, per_token = self.fit
         share = (fixed + per_token * num_requests) / max(num_requests, 1)
-        return per_token / share if share > 0 else None
+        return share if share > 0 else None
+
+    def draft_cost(self, num_requests: int) -> float | None:
+        """One draft token's verification cost relative to one request's share of a plain step of
+        num_requests requests; None before a fit."""
+        share = self.share(num_requests)
+        return None if share is None else self.fit[1] / share
 
 
 class DraftLengthPolicy:
@@ -138,6 +144,7 @@ class DraftLengthPolicy:
         self.step_costs = StepCosts(cost_per_draft)  # one-request steps, by size
         self.batch_fit = LinearStepFit()  # steps of several requests
         self.num_running = 0  # requests in the last step
+        self.draft_seconds: float | None = None  # proposer seconds per draft token (moving average)
 
     def observe_step(self, num_requests: int, num_tokens: int, seconds: float) -> None:
         """The time of a decode or verification step (no prefill in it)."""
@@ -147,12 +154,29 @@ class DraftLengthPolicy:
         else:
             self.batch_fit.observe(num_tokens, seconds)
 
+    def observe_drafting(self, num_draft_tokens: int, seconds: float) -> None:
+        """The proposer's time for the drafts of one step: free for prompt lookup, k forward passes of a
+        second model for draft_model, which a draft must repay as much as its verification."""
+        if num_draft_tokens > 0:
+            per_token = seconds / num_draft_tokens
+            old = self.draft_seconds
+            self.draft_seconds = per_token if old is None else DRAFTING_EMA * old + (1 - DRAFTING_EMA) * per_token
+
+    def _drafting_cost(self, plain_seconds: float | None) -> float:
+        """Proposer time per draft token relative to a request's plain step (0 until both are measured)."""
+        if self.draft_seconds is None or not plain_seconds:
+            return 0.0
+        return self.draft_seconds / plain_seconds
+
     def _cost(self):
-        """cost(k) of drafting k tokens for one request of the current step, measured where possible."""
+        """cost(k) of drafting and verifying k tokens for one request of the current step, in plain steps,
+        measured where possible."""
         if self.num_running == 1:
-            return self.step_costs.relative
+            drafting = self._drafting_cost(self.step_costs.seconds.get(1))
+            return lambda k: self.step_costs.relative(k) + drafting * k
         per_draft = self.batch_fit.draft_cost(self.num_running)
         per_draft = self.cost_per_draft if per_draft is None else per_draft
+        per_draft += self._drafting_cost(self.batch_fit.share(self.num_running))
         return lambda k: 1.0 + per_draft * k
 
     def num_drafts(self, req_id: str, max_k: int, seeded: bool = False) -> int:

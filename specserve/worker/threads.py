@@ -12,7 +12,12 @@ from contextlib import contextmanager
 
 import torch
 
-BUCKETS = (1, 2, 17, 64)  # lower bounds of the step-size buckets, in tokens
+# Lower bounds of the step-size buckets, in tokens. Each verification size up to 8 is its own bucket: a
+# bucket compares seconds per token, and across 2-16 tokens that ratio halves with the size, so a choice
+# measured on bigger steps looked faster (a 2-16 bucket settled on 1 thread at 6.9 ms per token against 16.9
+# for 2 threads while 2 threads ran each size faster).
+BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64)
+SKIP_FIRST_BELOW = 17  # the first step of each size below this is not measured (see record)
 # Steps of a bucket between two measurements of the other choice. Each one costs a step at the slower
 # setting (1.4-1.8x the time here), so at 16 the exploring alone took ~3% of a 32-request decode.
 EXPLORE_EVERY = 64
@@ -59,8 +64,9 @@ class ThreadPolicy:
         return best
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
-        if num_tokens < BUCKETS[2] and num_tokens not in self.seen_sizes:
-            # A new small step size builds new oneDNN kernels, a large share of a ~25 ms step: skip it.
+        if num_tokens < SKIP_FIRST_BELOW and num_tokens not in self.seen_sizes:
+            # A new small step size builds new oneDNN kernels (where the C GEMM is unavailable), a large
+            # share of a ~25 ms step; buffers of a new size are first touched: skip it.
             self.seen_sizes.add(num_tokens)
             return
         bucket = self._bucket(num_tokens)

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from specserve.bench.common import BenchPrompt, write_json
+from specserve.models.loader import default_model_path
 from specserve.bench.latency import (
     DEFAULT_NUM_SPECULATIVE_TOKENS, HF_PLAIN, HF_PROMPT_LOOKUP, PLAIN, RequestTiming, build_report, check_args,
     cmd_latency, format_report, geometric_mean, hf_timing, select_per_category, spec_configs, summarize,
@@ -24,12 +25,15 @@ def _parse(extra: list[str]):
 def test_cli_defaults():
     args = _parse([])
     assert args.func is cmd_latency
-    assert (args.prompts_per_category, args.max_tokens, args.methods, args.categories) == (4, 128, "ngram,suffix", None)
+    assert (args.prompts_per_category, args.max_tokens, args.methods, args.categories) == (4, 128, "ngram,suffix,draft_model", None)
     assert args.output_json == "bench_results/latency.json" and not args.skip_hf and args.max_num_seqs == 1
     check_args(args)
     configs = spec_configs(args)
-    assert configs == {m: {"method": m, "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS[m]}
-                       for m in ("ngram", "suffix")}
+    assert {m: configs[m] for m in ("ngram", "suffix")} == {
+        m: {"method": m, "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS[m]} for m in ("ngram", "suffix")}
+    # the default draft: the target's own weights, quantized to int8 for the drafter
+    assert configs["draft_model"] == {"method": "draft_model", "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS[
+        "draft_model"], "model": default_model_path(), "quantization": "int8"}
 
 
 def test_spec_configs_overrides():
@@ -46,7 +50,8 @@ def test_spec_configs_overrides():
 @pytest.mark.parametrize("extra, message", [
     (["--methods", "medusa"], "unknown method"),
     (["--methods", "ngram,ngram"], "twice"),
-    (["--methods", "draft_model"], "--draft-model"),
+    (["--methods", "draft_model", "--spec-config-json", '{"draft_model": {"quantization": "int4"}}'],
+     "quantization must be"),
     (["--spec-config-json", '{"suffix": {"prompt_lookup_typo": 1}}'], "unknown speculative_config key"),
     (["--methods", "ngram", "--spec-config-json", '{"suffix": {}}'], "not in --methods"),
     (["--spec-config-json", '{"ngram": 3}'], "map method names"),

@@ -114,3 +114,24 @@ def test_no_probing_when_a_draft_costs_a_whole_step_share():
     for _ in range(10):
         policy.record("r", 4, 0)
     assert [policy.num_drafts("r", 5) for _ in range(3 * PROBE_EVERY)] == [0] * (3 * PROBE_EVERY)
+
+
+def test_the_proposers_own_time_is_part_of_a_drafts_cost():
+    """A draft model spends a forward pass per draft token: at 60% of a target step per token, half the
+    drafts accepted no longer pays, nearly all still does; prompt lookup's fraction of a millisecond
+    changes nothing."""
+    flat = {n: 0.02 for n in range(1, 10)}
+    for accepted, drafting, at_least, at_most in [(1, 0.0001, 1, 8), (1, 0.012, 0, 0), (7.9, 0.012, 4, 8)]:
+        policy = _policy_with_measured_costs(flat)
+        for _ in range(10):
+            policy.record("r", 8, accepted)  # 1 accepted: 2 tried, a rate of 1/2
+            policy.observe_drafting(8, 8 * drafting)
+        assert at_least <= policy.num_drafts("r", 8) <= at_most
+    batched = DraftLengthPolicy()
+    for tokens in range(4, 20):
+        batched.observe_step(4, tokens, 0.02 + 0.0005 * tokens)
+    for _ in range(10):
+        batched.record("r", 8, 4)
+    assert batched.num_drafts("r", 8) > 0
+    batched.observe_drafting(8, 8 * 0.006)  # each draft token costs more than a request's share of a step
+    assert batched.num_drafts("r", 8) == 0

@@ -87,3 +87,12 @@ def test_weaker_draft_keeps_greedy_output(prompts, weak_draft):
     llm, outs = _run({"method": "draft_model", "model": weak_draft, "num_speculative_tokens": 3}, prompts)
     m = _check_metrics(llm, outs)
     assert m.num_accepted_tokens < m.num_draft_tokens
+
+
+def test_int8_self_draft_keeps_greedy_output(prompts, default_gguf_path):
+    """The target's own weights quantized to int8 for the drafter only: cheaper, approximate drafts."""
+    llm, outs = _run({"method": "draft_model", "model": default_gguf_path, "quantization": "int8",
+                      "num_speculative_tokens": 3}, prompts)
+    m = _check_metrics(llm, outs)
+    assert 0.5 * m.num_draft_tokens < m.num_accepted_tokens < m.num_draft_tokens
+    assert llm.llm_engine.runner.proposer.model.layers[0].gate_up.backend == "int8_dynamic"

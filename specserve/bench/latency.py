@@ -18,8 +18,9 @@ from specserve.models.loader import default_model_path
 
 DEFAULT_OUTPUT = "bench_results/latency.json"
 DEFAULT_METHODS = "ngram,suffix,draft_model"
-# num_speculative_tokens per method when --num-speculative-tokens is not given. At most 6 tokens per step:
-# here a step over 7 or more tokens costs ~1.3x a one-token step (oneDNN changes kernels), over 2-6 ~1.1x.
+# num_speculative_tokens per method when --num-speculative-tokens is not given; the adaptive policy drafts
+# fewer when they do not pay. Here a step over 1 + k tokens costs ~1 + 0.05k one-token steps at ~1k tokens
+# of context, and an int8 self-draft ~0.45 of a step per draft token.
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 5, "suffix": 5, "draft_model": 4}
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens, as in ANCHORS.md
 WARMUP_TOKENS = 16

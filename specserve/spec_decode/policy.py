@@ -8,8 +8,10 @@ text turns repetitive gets speculation back.
 
 cost(k) is measured: the runner reports the time of every step that verifies one request alone, and
 once both a one-token step and a (1 + k)-token step have been seen a few times, their ratio replaces the
-linear prior 1 + c * k. The curve is not linear here (oneDNN switches kernels at 7 rows: 2-6 tokens cost
-~1.1x a one-token step, 7-9 ~1.3x), and it depends on the machine and the context length.
+linear prior 1 + c * k. The curve depends on the kernels, the machine and the context length (with oneDNN
+linears it jumped at 7 rows; with specserve's GEMM it rises ~5% per token at ~1k tokens of context).
+The proposer's own time per draft token is added (nothing for prompt lookup, a forward pass of the
+drafter per token for draft_model).
 
 With several requests the step is fitted as fixed + per_token * tokens over recent steps, and a draft
 costs per_token against the request's share of a plain step, (fixed + per_token * requests) / requests. At

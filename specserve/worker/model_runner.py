@@ -254,7 +254,8 @@ class ModelRunner:
         inputs = self._build_draft_inputs(batch, sampled, hidden, aux)
         start = time.perf_counter()
         drafts = self.proposer.propose(inputs)
-        self.draft_policy.observe_drafting(sum(map(len, drafts.token_ids)), time.perf_counter() - start)
+        if self._is_decode_step(batch):  # after a prefill a draft model also catches up on the whole prompt
+            self.draft_policy.observe_drafting(sum(map(len, drafts.token_ids)), time.perf_counter() - start)
         for i, rid in enumerate(inputs.req_ids):
             if drafts.probs is not None and drafts.probs[i] is not None and drafts.token_ids[i]:
                 self.draft_probs[rid] = drafts.probs[i]

@@ -68,6 +68,7 @@ class ThreadPolicy:
             # A new small step size builds new oneDNN kernels (where the C GEMM is unavailable), a large
             # share of a ~25 ms step; buffers of a new size are first touched: skip it.
             self.seen_sizes.add(num_tokens)
+            self.exploring.discard(self._bucket(num_tokens))  # an exploration that measured nothing
             return
         bucket = self._bucket(num_tokens)
         key = (bucket, threads)

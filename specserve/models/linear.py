@@ -183,13 +183,9 @@ def select_backend(backend: Optional[str] = None) -> str:
         raise ValueError(f"{ENV_VAR}/backend must be one of {BACKENDS}, got {name!r}")
     if name == "onednn" and not ONEDNN_AVAILABLE:
         raise RuntimeError("oneDNN (mkldnn) linear ops are not available in this torch build")
-    if name == "c" and not _c_kernels():
+    if name == "c" and not kernels.kernel_enabled():
         raise RuntimeError("the C GEMM is not available (specserve's C kernels did not build or SPECSERVE_KERNELS=torch)")
     return name
-
-
-def _c_kernels() -> bool:
-    return kernels.kernel_enabled()
 
 
 # Backend picked for this process at import time (FastLinear re-reads the env var on
@@ -343,7 +339,7 @@ class FastLinear(torch.nn.Module):
             self._wt_np = w.t().contiguous().numpy()
             self._numpy_max_rows = 1 << 62
             self._slow = "numpy"
-        elif self.backend == "c" or (self.backend == "auto" and _c_kernels()):
+        elif self.backend == "c" or (self.backend == "auto" and kernels.kernel_enabled()):
             self._w_blocks = kernels.pack_gemm_weight(w)
             self._slow = "c"
         elif self.backend == "onednn":

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from specserve.models import linear as L
 from specserve.models.linear import FastLinear
 
-C_AVAILABLE = L._c_kernels()
+C_AVAILABLE = L.kernels.kernel_enabled()
 EXACT_BACKENDS = ["auto", "torch", "numpy"] + (["onednn"] if L.ONEDNN_AVAILABLE else []) + (["c"] if C_AVAILABLE else [])
 AUTO_PATH = "c" if C_AVAILABLE else "onednn" if L.ONEDNN_AVAILABLE else None
 ROWS = [1, 2, 3, 8, 33]

@@ -25,12 +25,13 @@ KERNEL_BUILDS = kernels.load_kernel() is not None
 PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler"))]
 
 
-def _run(query_lens, context_lens, block_tables, use_kernel=False, seed=0, head_dim=D, block_size=BLOCK_SIZE, heads=(H, HKV)):
+def _run(query_lens, context_lens, block_tables, use_kernel=False, seed=0, head_dim=D, block_size=BLOCK_SIZE,
+         heads=(H, HKV), num_blocks=NUM_BLOCKS):
     """Fill each request's earlier context into the cache, run one step, compare every token's output."""
     num_heads, num_kv_heads = heads
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(NUM_BLOCKS, block_size, num_kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(NUM_BLOCKS, block_size, num_kv_heads, head_dim, generator=g)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
     full_k, full_v, slots = [], [], []
     for q_len, c_len, table in zip(query_lens, context_lens, block_tables):
         ctx_slots = [table[t // block_size] * block_size + t % block_size for t in range(c_len)]
@@ -57,8 +58,8 @@ def _run(query_lens, context_lens, block_tables, use_kernel=False, seed=0, head_
     return out
 
 
-def _scattered_tables(context_lens, seed=1, block_size=BLOCK_SIZE):
-    perm = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
+def _scattered_tables(context_lens, seed=1, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS):
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     tables, used = [], 0
     for c_len in context_lens:
         n = -(-c_len // block_size)
@@ -86,6 +87,58 @@ def test_wide_heads_and_large_groups(use_kernel):
     query_lens, context_lens = [1, 20, 4], [37, 52, 9]
     tables = _scattered_tables(context_lens)
     _run(query_lens, context_lens, tables, use_kernel, head_dim=128, heads=(14, 2))
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+@pytest.mark.parametrize("query_lens,context_lens", [
+    ([1], [700]),  # one decoding request: the kernel splits its context over the threads
+    ([6, 1], [523, 260]),  # verification next to a decode
+    ([1, 6, 40, 1, 3], [300, 211, 400, 129, 128]),  # a long chunk: chunks one after another
+])
+def test_long_contexts_across_key_chunks(use_kernel, query_lens, context_lens):
+    # contexts over many of the kernel's 128-key chunks, ending inside one and on an edge
+    num_blocks = 256
+    tables = _scattered_tables(context_lens, num_blocks=num_blocks)
+    _run(query_lens, context_lens, tables, use_kernel, num_blocks=num_blocks)
+
+
+@pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler")
+def test_kernel_rows_do_not_depend_on_the_batch_thread_count_or_query_length():
+    """Decode rows (context split over the threads) and rows inside long chunks or big batches (chunks one
+    after another) take the same arithmetic: a token's output is bitwise the same however it is scheduled."""
+    num_blocks = 256
+    g = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, HKV, D, generator=g)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, HKV, D, generator=g)
+    context_lens = [700, 300, 260, 129, 40]
+    tables = _scattered_tables(context_lens, num_blocks=num_blocks)
+    q_all = [torch.randn(c, H, D, generator=g) for c in context_lens]  # a query for every position
+
+    def attend(reqs):
+        """reqs: (request, query_len); returns each request's output rows."""
+        slots, q_rows = [], []
+        for i, n in reqs:
+            c, t = context_lens[i], tables[i]
+            slots += [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c - n, c)]
+            q_rows.append(q_all[i][c - n:])
+        flat = torch.tensor(slots, dtype=torch.long)
+        k, v = k_cache.view(-1, HKV, D)[flat], v_cache.view(-1, HKV, D)[flat]  # rewrite what is there
+        meta = build_attention_metadata([n for _, n in reqs], [context_lens[i] for i, _ in reqs],
+                                        [tables[i] for i, _ in reqs], BLOCK_SIZE, flat, use_kernel=True)
+        out = paged_attention(torch.cat(q_rows), k, v, k_cache, v_cache, meta, 0.125)
+        return out.split([n for _, n in reqs])
+
+    threads = torch.get_num_threads()
+    alone = [attend([(i, 1)])[0] for i in range(len(context_lens))]  # decode, split over the threads
+    try:
+        torch.set_num_threads(1)
+        assert all(torch.equal(attend([(i, 1)])[0], alone[i]) for i in range(len(context_lens)))
+    finally:
+        torch.set_num_threads(threads)
+    big = attend([(i, 1) for i in range(5)] * 4)  # 20 requests: chunks one after another
+    assert all(torch.equal(big[i], alone[i % 5]) for i in range(20))
+    for i, n in [(0, 6), (1, 40), (2, 17)]:  # verification and prefill chunks: their last row
+        assert torch.equal(attend([(i, n)])[0][-1:], alone[i])
 
 
 @pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler")

@@ -8,7 +8,8 @@
  * request's query tokens at once.
  *
  * Each output row depends only on its own request's query, keys and values: the same numbers
- * whatever else is in the batch and however many threads run (one thread computes one row).
+ * whatever else is in the batch, however long its query and however many threads run (the vector path
+ * takes every row's keys in the same fixed chunks, see below; the scalar path has one thread per row).
  *
  * Layouts (fp32, contiguous):
  *   q            [num_tokens, num_heads, head_dim]
@@ -172,33 +173,54 @@ static inline vf transpose_sum16(const vf x[16]) {
     return __builtin_shuffle(g[0], g[1], lo4) + __builtin_shuffle(g[0], g[1], lo4 + 1);
 }
 
-/* Rows r0..r1-1 of one (request, kv head) pair; row r is query head kvh * group + r / q_len at query
- * token r % q_len. Blocks are the outer loop, so each block's keys and values come from memory once and
- * from L1 for the other rows; each row's running max, sum and accumulator live in `work` between blocks
- * and in registers within one. */
-static inline __attribute__((always_inline)) void attend_rows_vec(
-        const float *q, float *out, const float *k_cache, const float *v_cache, const int64_t *table,
-        int64_t q_start, int64_t q_len, int64_t c_len, int64_t kvh, int64_t r0, int64_t r1, int64_t num_heads,
-        int64_t num_kv_heads, float scale, float *work, const int NC) {
-    const int64_t dim = 16 * NC, group = num_heads / num_kv_heads;
+/* ---- Keys in chunks ----
+ * A row's keys are taken in fixed chunks of CHUNK_BLOCKS blocks (128 keys): each chunk gives a partial
+ * (running max m, sum l, unnormalized accumulator) from a fresh start, and the partials are folded in
+ * chunk order. The chunk edges are absolute key positions, so a row gets the same numbers whether its
+ * chunks run one after another in one thread (many requests, long queries) or side by side on all
+ * threads (one or two requests decoding or verifying: the context is then split over the threads, so
+ * every core streams keys and values, instead of each core walking one kv head's blocks alone). */
+#define CHUNK_BLOCKS 8
+
+/* Per-row state, `dim + 2` floats: the accumulator, then m and l. */
+
+/* Partial attention of rows r0..r1-1 of one request over blocks [b0, b1), each row from a fresh start,
+ * into st (row r at st + (r - r0) * (dim + 2)). Row r is query head r / q_len at query token r % q_len, so
+ * a kv head's rows are consecutive. Blocks are the outer loop, so each block's keys and values come from
+ * memory once (in address order when the rows span all kv heads) and from L1 for the other rows; each
+ * row's m, l and accumulator live in st between blocks and in registers within one. A row that sees none
+ * of these keys is left with l = 0. */
+static inline __attribute__((always_inline)) void partial_rows_vec(
+        const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t q_start,
+        int64_t q_len, int64_t c_len, int64_t r0, int64_t r1, int64_t b0, int64_t b1,
+        int64_t num_heads, int64_t num_kv_heads, float scale, float *st, const int NC) {
+    const int64_t dim = 16 * NC, stride = dim + 2, group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * dim, block_stride = 16 * token_stride;
-    const int64_t rows = r1 - r0;
-    float *acc_all = work, *ms = work + rows * dim, *ls = ms + rows;
-    for (int64_t i = 0; i < rows; i++) {
-        ms[i] = -INFINITY;
-        ls[i] = 0.0f;
+    for (int64_t r = r0; r < r1; r++) {
+        float *sr = st + (r - r0) * stride;
+        memset(sr, 0, sizeof(float) * dim);
+        sr[dim] = -INFINITY;
+        sr[dim + 1] = 0.0f;
     }
-    memset(acc_all, 0, sizeof(float) * rows * dim);
     const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    for (int64_t b = 0, base = 0; base < c_len; b++, base += 16) {
-        const float *kb = k_cache + table[b] * block_stride + kvh * dim;
-        const float *vb = v_cache + table[b] * block_stride + kvh * dim;
+    for (int64_t b = b0, base = b0 * 16; b < b1 && base < c_len; b++, base += 16) {
+        if (b + 1 < b1 && base + 16 < c_len) { /* the next block's keys and values, while this one computes */
+            const int64_t h0 = r0 / q_len / group * dim, h1 = ((r1 - 1) / q_len / group + 1) * dim;
+            const float *kn = k_cache + table[b + 1] * block_stride, *vn = v_cache + table[b + 1] * block_stride;
+            for (int t = 0; t < 16; t++)
+                for (int64_t c = h0; c < h1; c += 16) {
+                    __builtin_prefetch(kn + t * token_stride + c);
+                    __builtin_prefetch(vn + t * token_stride + c);
+                }
+        }
         for (int64_t r = r0; r < r1; r++) {
-            const int64_t g = r / q_len, j = r % q_len;
+            const int64_t h = r / q_len, j = r % q_len;
+            const float *kb = k_cache + table[b] * block_stride + h / group * dim;
+            const float *vb = v_cache + table[b] * block_stride + h / group * dim;
             const int64_t limit = c_len - q_len + j + 1; /* keys this row sees */
             if (limit <= base) continue;
             const int64_t n = limit - base < 16 ? limit - base : 16;
-            const float *qr = q + ((q_start + j) * num_heads + kvh * group + g) * dim;
+            const float *qr = q + ((q_start + j) * num_heads + h) * dim;
             vf qv[8], acc[8], acc2[8];
             for (int c = 0; c < NC; c++) qv[c] = load_vf(qr + 16 * c) * scale;
             vf x[16];
@@ -218,8 +240,8 @@ static inline __attribute__((always_inline)) void attend_rows_vec(
                 const vi beyond = lane >= (float)n;
                 s = (vf)(((vi)s & ~beyond) | ((vi)((vf){0} - INFINITY) & beyond));
             }
-            float *ar = acc_all + (r - r0) * dim;
-            float m = ms[r - r0], l = ls[r - r0];
+            float *ar = st + (r - r0) * stride;
+            float m = ar[dim], l = ar[dim + 1];
             for (int c = 0; c < NC; c++) {
                 acc[c] = load_vf(ar + 16 * c);
                 acc2[c] = (vf){0};
@@ -251,48 +273,161 @@ static inline __attribute__((always_inline)) void attend_rows_vec(
                 const vf sum = acc[c] + acc2[c];
                 memcpy(ar + 16 * c, &sum, sizeof sum);
             }
-            ms[r - r0] = m;
-            ls[r - r0] = l;
+            ar[dim] = m;
+            ar[dim + 1] = l;
         }
     }
-    for (int64_t r = r0; r < r1; r++) {
-        const int64_t g = r / q_len, j = r % q_len;
-        float *o = out + ((q_start + j) * num_heads + kvh * group + g) * dim;
-        const float inv = 1.0f / ls[r - r0];
-        const float *ar = acc_all + (r - r0) * dim;
-        for (int64_t d = 0; d < dim; d++) o[d] = ar[d] * inv;
-    }
 }
 
-#define ROWS_VEC(NC_)                                                                                   \
-    attend_rows_vec(q, out, k_cache, v_cache, table, q_start, q_len, c_len, kvh, r0, r1, num_heads,   \
-                    num_kv_heads, scale, work, NC_)
+#define PARTIAL_VEC(NC_)                                                                                \
+    partial_rows_vec(q, k_cache, v_cache, table, q_start, q_len, c_len, r0, r1, b0, b1, num_heads, \
+                     num_kv_heads, scale, st, NC_)
 
-static void attend_rows_dispatch(const float *q, float *out, const float *k_cache, const float *v_cache,
-                                 const int64_t *table, int64_t q_start, int64_t q_len, int64_t c_len,
-                                 int64_t kvh, int64_t r0, int64_t r1, int64_t num_heads, int64_t num_kv_heads,
-                                 int64_t head_dim, float scale, float *work) {
+/* One compiled copy (noinline) serves both ways of running the chunks, so they agree to the bit. */
+static __attribute__((noinline)) void partial_rows(const float *q, const float *k_cache, const float *v_cache,
+                                                   const int64_t *table, int64_t q_start, int64_t q_len,
+                                                   int64_t c_len, int64_t r0, int64_t r1, int64_t b0,
+                                                   int64_t b1, int64_t num_heads, int64_t num_kv_heads,
+                                                   int64_t head_dim, float scale, float *st) {
     switch (head_dim / 16) {
-        case 1: ROWS_VEC(1); break;
-        case 2: ROWS_VEC(2); break;
-        case 3: ROWS_VEC(3); break;
-        case 4: ROWS_VEC(4); break;
-        case 5: ROWS_VEC(5); break;
-        case 6: ROWS_VEC(6); break;
-        case 7: ROWS_VEC(7); break;
-        default: ROWS_VEC(8); break;
+        case 1: PARTIAL_VEC(1); break;
+        case 2: PARTIAL_VEC(2); break;
+        case 3: PARTIAL_VEC(3); break;
+        case 4: PARTIAL_VEC(4); break;
+        case 5: PARTIAL_VEC(5); break;
+        case 6: PARTIAL_VEC(6); break;
+        case 7: PARTIAL_VEC(7); break;
+        default: PARTIAL_VEC(8); break;
     }
 }
 
-/* Returns 0 on success, 1 when a request has more rows than the stack buffer and malloc failed. */
+static void init_state(float *st, int64_t rows, int64_t dim) {
+    for (int64_t r = 0; r < rows; r++) {
+        st[r * (dim + 2) + dim] = -INFINITY;
+        st[r * (dim + 2) + dim + 1] = 0.0f;
+    }
+}
+
+/* run = the fold of run and part (a partial over later keys); rows of `dim + 2` floats. */
+static __attribute__((noinline)) void fold_rows(float *run, const float *part, int64_t rows, int64_t dim) {
+    for (int64_t r = 0; r < rows; r++, run += dim + 2, part += dim + 2) {
+        const float mp = part[dim], lp = part[dim + 1];
+        if (lp == 0.0f) continue; /* saw no keys */
+        if (run[dim + 1] == 0.0f) {
+            memcpy(run, part, sizeof(float) * (dim + 2));
+            continue;
+        }
+        const float m = run[dim] > mp ? run[dim] : mp;
+        const float a = exp_nonpositive(run[dim] - m), b = exp_nonpositive(mp - m);
+        for (int64_t d = 0; d < dim; d++) run[d] = run[d] * a + part[d] * b;
+        run[dim] = m;
+        run[dim + 1] = run[dim + 1] * a + lp * b;
+    }
+}
+
+/* Rows r0..r1-1 of the state back into `out` as acc / l. */
+static __attribute__((noinline)) void write_rows(float *out, const float *st, int64_t q_start, int64_t q_len,
+                                                 int64_t r0, int64_t r1, int64_t num_heads, int64_t dim) {
+    for (int64_t r = r0; r < r1; r++) {
+        float *o = out + ((q_start + r % q_len) * num_heads + r / q_len) * dim;
+        const float *sr = st + (r - r0) * (dim + 2);
+        const float inv = 1.0f / sr[dim + 1];
+        for (int64_t d = 0; d < dim; d++) o[d] = sr[d] * inv;
+    }
+}
+
+static int64_t num_chunks(int64_t c_len) { return (c_len + 16 * CHUNK_BLOCKS - 1) / (16 * CHUNK_BLOCKS); }
+
+/* Chunks one after another: rows r0..r1-1 of one request (see partial_rows_vec). work: 2 * rows * (dim + 2). */
+static void attend_rows_chunked(const float *q, float *out, const float *k_cache, const float *v_cache,
+                                const int64_t *table, int64_t q_start, int64_t q_len, int64_t c_len, int64_t r0,
+                                int64_t r1, int64_t num_heads, int64_t num_kv_heads, int64_t dim, float scale,
+                                float *work) {
+    const int64_t rows = r1 - r0, nblocks = (c_len + 15) / 16;
+    float *run = work, *part = work + rows * (dim + 2);
+    init_state(run, rows, dim);
+    for (int64_t b0 = 0; b0 < nblocks; b0 += CHUNK_BLOCKS) {
+        partial_rows(q, k_cache, v_cache, table, q_start, q_len, c_len, r0, r1, b0, b0 + CHUNK_BLOCKS, num_heads,
+                     num_kv_heads, dim, scale, part);
+        fold_rows(run, part, rows, dim);
+    }
+    write_rows(out, run, q_start, q_len, r0, r1, num_heads, dim);
+}
+
+/* Chunks side by side, for a few short queries: each (request, chunk) is a work item over all the
+ * request's rows, writing its partials to a scratch buffer; then each request folds them in chunk order. */
+static int attend_split(const float *q, float *out, const float *k_cache, const float *v_cache,
+                        const int64_t *block_table, int64_t table_width, const int64_t *query_start,
+                        const int64_t *query_len, const int64_t *context_len, int64_t num_seqs, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t dim, float scale) {
+    const int64_t stride = dim + 2, group = num_heads / num_kv_heads;
+    /* item i: (seq item_seq[i], chunk item_chunk[i]); its partials start at scratch + item_off[i] */
+    int64_t items = 0, floats = 0;
+    for (int64_t s = 0; s < num_seqs; s++) items += num_chunks(context_len[s]);
+    int64_t *meta = malloc(sizeof(int64_t) * (3 * items + num_seqs + 1));
+    if (!meta) return 1;
+    int64_t *item_seq = meta, *item_chunk = meta + items, *item_off = meta + 2 * items, *first = meta + 3 * items;
+    for (int64_t s = 0, i = 0; s < num_seqs; s++) {
+        first[s] = i;
+        for (int64_t c = 0; c < num_chunks(context_len[s]); c++, i++) {
+            item_seq[i] = s;
+            item_chunk[i] = c;
+            item_off[i] = floats;
+            floats += num_heads * query_len[s] * stride;
+        }
+    }
+    float *scratch = malloc(sizeof(float) * (floats ? floats : 1));
+    if (!scratch) {
+        free(meta);
+        return 1;
+    }
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items * num_kv_heads; it++) {
+            const int64_t i = it / num_kv_heads, kvh = it % num_kv_heads;
+            const int64_t s = item_seq[i], b0 = item_chunk[i] * CHUNK_BLOCKS, rows = group * query_len[s];
+            partial_rows(q, k_cache, v_cache, block_table + s * table_width, query_start[s], query_len[s],
+                         context_len[s], kvh * rows, (kvh + 1) * rows, b0, b0 + CHUNK_BLOCKS, num_heads,
+                         num_kv_heads, dim, scale, scratch + item_off[i] + kvh * rows * stride);
+        }
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            const int64_t rows = num_heads * query_len[s];
+            float *run = scratch + item_off[first[s]]; /* folds into chunk 0's partials */
+            for (int64_t c = 1; c < num_chunks(context_len[s]); c++)
+                fold_rows(run, scratch + item_off[first[s] + c], rows, dim);
+            write_rows(out, run, query_start[s], query_len[s], 0, rows, num_heads, dim);
+        }
+    }
+    free(scratch);
+    free(meta);
+    return 0;
+}
+
+/* Whether to split the context over the threads: short queries (decode, verification) from too few
+ * requests to give every thread two (request, kv head) pairs. Measured on SmolLM2's shapes (3 kv heads,
+ * 2 threads, 1000-token contexts, 30 layers): one decoding request 2.0 ms split vs 2.6 ms not; at two or
+ * three requests the same; at four and more, not splitting is faster. */
+static int use_split(const int64_t *query_len, int64_t num_seqs, int64_t num_kv_heads) {
+    if (num_seqs * num_kv_heads >= 2 * omp_get_max_threads()) return 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        if (query_len[s] > 16) return 0;
+    return 1;
+}
+
+/* Returns 0 on success, 1 when a work buffer could not be allocated. */
 int paged_attention_f32(const float *q, float *out, const float *k_cache, const float *v_cache,
                         const int64_t *block_table, int64_t table_width, const int64_t *query_start,
                         const int64_t *query_len, const int64_t *context_len, int64_t num_seqs,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                         float scale) {
     const int vector_path = block_size == 16 && head_dim % 16 == 0 && head_dim <= 128;
+    if (vector_path && use_split(query_len, num_seqs, num_kv_heads))
+        return attend_split(q, out, k_cache, v_cache, block_table, table_width, query_start, query_len,
+                            context_len, num_seqs, num_heads, num_kv_heads, head_dim, scale);
     const int64_t group = num_heads / num_kv_heads;
-    /* Few (request, kv head) pairs, as with one request: split each pair's rows so every thread works
+    /* Few (request, kv head) pairs, as with a long prefill: split each pair's rows so every thread works
      * (the split pairs read their keys and values once per part). */
     int64_t parts = 1;
     if (vector_path) {
@@ -306,19 +441,20 @@ int paged_attention_f32(const float *q, float *out, const float *k_cache, const 
         const int64_t s = pair / num_kv_heads, kvh = pair % num_kv_heads;
         const int64_t rows = group * query_len[s];
         const int64_t r0 = rows * part / parts, r1 = rows * (part + 1) / parts;
+        const int64_t need = (vector_path ? 2 : 1) * (r1 - r0) * (head_dim + 2);
         float stack_work[MAX_STACK_ROWS * (MAX_HEAD_DIM + 2)];
         float *work = stack_work;
-        if (r1 - r0 > MAX_STACK_ROWS || head_dim > MAX_HEAD_DIM) {
-            work = malloc(sizeof(float) * (r1 - r0) * (head_dim + 2));
+        if (need > MAX_STACK_ROWS * (MAX_HEAD_DIM + 2)) {
+            work = malloc(sizeof(float) * need);
             if (!work) {
                 failed = 1;
                 continue;
             }
         }
         if (vector_path)
-            attend_rows_dispatch(q, out, k_cache, v_cache, block_table + s * table_width, query_start[s],
-                                 query_len[s], context_len[s], kvh, r0, r1, num_heads, num_kv_heads, head_dim,
-                                 scale, work);
+            attend_rows_chunked(q, out, k_cache, v_cache, block_table + s * table_width, query_start[s],
+                                query_len[s], context_len[s], kvh * rows + r0, kvh * rows + r1, num_heads,
+                                num_kv_heads, head_dim, scale, work);
         else
             attend_one(q, out, k_cache, v_cache, block_table + s * table_width, query_start[s], query_len[s],
                        context_len[s], kvh, num_heads, num_kv_heads, head_dim, block_size, scale, work);

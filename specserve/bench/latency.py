@@ -8,7 +8,7 @@ import gc
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from specserve.bench.common import (
@@ -21,7 +21,7 @@ DEFAULT_METHODS = "ngram,suffix,draft_model"
 # num_speculative_tokens per method when --num-speculative-tokens is not given; the adaptive policy drafts
 # fewer when they do not pay. Here a step over 1 + k tokens costs ~1 + 0.05k one-token steps at ~1k tokens
 # of context, and an int8 self-draft ~0.45 of a step per draft token.
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 5, "suffix": 5, "draft_model": 4}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 5, "draft_model": 4}
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens, as in ANCHORS.md
 WARMUP_TOKENS = 16
 # Not a Spec-Bench question, so warming up leaves nothing in the prefix or suffix caches that a measured
@@ -103,6 +103,10 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--draft-model", default=None,
                    help="HF folder or .gguf file for the draft_model method (default: the target model itself "
                         "with int8 weights, an approximate self-draft)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of every specserve (prompt, method) run, each on freshly loaded engines with the "
+                        "methods in a rotated order; each pair reports its median-decode round (default: "
+                        "%(default)s). Single runs on a shared machine vary by ~15%%")
     p.add_argument("--skip-hf", action="store_true", help="run specserve only")
     p.add_argument("--output-json", default=DEFAULT_OUTPUT, help="where to write results (default: %(default)s)")
     add_engine_args(p, speculation_flags=False)
@@ -110,6 +114,8 @@ def add_parser(bench_sub) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.prompts_per_category < 1:
         raise ValueError(f"--prompts-per-category must be >= 1, got {args.prompts_per_category}")
     if args.max_tokens < 2:
@@ -169,14 +175,21 @@ def cmd_latency(args: argparse.Namespace) -> int:
                                args.prompts_per_category)
     # Every engine is loaded up front and the methods take turns on each prompt, so a machine that slows
     # down during the run (it is shared) slows every method alike instead of whichever ran last.
-    engines = {method: load_specserve(args, method, config) for method, config in [(PLAIN, None), *configs.items()]}
+    methods = [(PLAIN, None), *configs.items()]
+    engines = {method: load_specserve(args, method, config) for method, config in methods}
     tokenizer = engines[PLAIN].get_tokenizer()
     prompts = render_prompts(tokenizer, rows)
     warmup = render_prompts(tokenizer, [{"category": "warmup", "turns": [WARMUP_MESSAGE]}])[0]
     pad_token_id = tokenizer.eos_token_id
-    timings = run_specserve(engines, prompts, warmup, args.max_tokens)
-    del engines
-    gc.collect()
+    rounds = []
+    for r in range(args.repeats):
+        if r:  # fresh engines: suffix's cache of finished requests must not hold this prompt's earlier output
+            engines = {method: load_specserve(args, method, config) for method, config in methods}
+        order = [m for m, _ in methods[r % len(methods):] + methods[:r % len(methods)]]  # who runs first rotates
+        rounds.append(run_specserve({m: engines[m] for m in order}, prompts, warmup, args.max_tokens))
+        del engines
+        gc.collect()
+    timings = median_rounds(rounds)
     if not args.skip_hf:
         timings += run_transformers(args, prompts, warmup, pad_token_id)
     env["load_average_1m_end"] = environment_info().get("load_average_1m")  # the machine may be shared
@@ -192,6 +205,7 @@ def header_line(args: argparse.Namespace, env: dict, configs: dict[str, dict]) -
     methods = ", ".join(f"{m} (k={c['num_speculative_tokens']})" for m, c in configs.items()) or "none"
     return (f"specserve bench latency: model {args.model or 'default (SmolLM2-135M-Instruct GGUF)'}, "
             f"{args.prompts_per_category} Spec-Bench prompts per category, {args.max_tokens} new tokens each, "
+            f"{args.repeats} round(s) of specserve, "
             f"batch 1, greedy, EOS ignored; speculative methods: {methods}\n"
             f"torch {env['torch']} with {env['torch_num_threads']} threads on {env['cpu_count']} CPUs "
             f"({env['cpu']}), load average {env.get('load_average_1m', '?')}; "
@@ -269,6 +283,26 @@ def run_specserve(engines: dict, prompts: list[BenchPrompt], warmup: BenchPrompt
         _log(f"{LABELS[method]}: {len(prompts)} prompts in "
              f"{sum(t.total_s for t in timings if t.method == method):.1f} s")
     return timings
+
+
+def median_rounds(rounds: list[list[RequestTiming]]) -> list[RequestTiming]:
+    """Per (method, prompt), the round with the median decode time (the lower middle one for an even count),
+    with every round's decode time kept in its spec_stats; in the first round's order."""
+    by_key: dict[tuple, list[RequestTiming]] = {}
+    for timings in rounds:
+        for t in timings:
+            by_key.setdefault((t.method, t.question_id), []).append(t)
+    chosen = []
+    for t in rounds[0]:
+        runs = sorted(by_key[(t.method, t.question_id)], key=lambda x: x.decode_s)
+        pick = runs[(len(runs) - 1) // 2]
+        if len(runs) > 1:
+            pick = replace(pick, spec_stats={**pick.spec_stats,
+                                             "decode_s_rounds": [x.decode_s for x in by_key[(t.method, t.question_id)]]})
+            if any(x.token_ids != runs[0].token_ids for x in runs):  # greedy: every round must agree
+                raise RuntimeError(f"{LABELS[t.method]} gave different outputs across rounds on question {t.question_id}")
+        chosen.append(pick)
+    return chosen
 
 
 def _specserve_timing(method: str, prompt: BenchPrompt, out, total_s: float) -> RequestTiming:

@@ -9,8 +9,8 @@ from specserve.bench.common import BenchPrompt, write_json
 from specserve.models.loader import default_model_path
 from specserve.bench.latency import (
     DEFAULT_NUM_SPECULATIVE_TOKENS, HF_PLAIN, HF_PROMPT_LOOKUP, PLAIN, RequestTiming, build_report, check_args,
-    cmd_latency, format_report, geometric_mean, hf_timing, select_per_category, spec_configs, summarize,
-    summarize_methods)
+    cmd_latency, format_report, geometric_mean, hf_timing, median_rounds, select_per_category, spec_configs,
+    summarize, summarize_methods)
 
 
 def _parse(extra: list[str]):
@@ -57,6 +57,7 @@ def test_spec_configs_overrides():
     (["--spec-config-json", '{"ngram": 3}'], "map method names"),
     (["--max-tokens", "1"], "--max-tokens"),
     (["--prompts-per-category", "0"], "--prompts-per-category"),
+    (["--repeats", "0"], "--repeats"),
     (["--speculative-config", '{"method": "ngram"}'], "--methods"),
 ])
 def test_check_args_refuses_bad_input(extra, message):
@@ -129,6 +130,21 @@ def test_summarize_medians_ratios_and_greedy_check():
     assert (bad["greedy_identical"], bad["greedy_mismatches"]) == (1, [{"question_id": "rag2", "first_diff": 2}])
     assert rows["qa", HF_PROMPT_LOOKUP]["greedy_reference"] == HF_PLAIN
     assert rows["qa", HF_PROMPT_LOOKUP]["decode_vs_transformers_plain"] == pytest.approx(0.5)
+
+
+def test_median_rounds_keeps_each_pairs_median_decode_round():
+    same = [1, 2, 3]
+    rounds = [[_timing(PLAIN, "qa", "q1", 0.30, same), _timing("ngram", "qa", "q1", 0.10, same, acceptance=2.0)],
+              [_timing("ngram", "qa", "q1", 0.20, same, acceptance=2.5), _timing(PLAIN, "qa", "q1", 0.50, same)],
+              [_timing(PLAIN, "qa", "q1", 0.40, same), _timing("ngram", "qa", "q1", 0.15, same, acceptance=3.0)]]
+    plain, ngram = median_rounds(rounds)  # in the first round's order, whatever order later rounds ran in
+    assert (plain.method, plain.decode_s, plain.spec_stats["decode_s_rounds"]) == (PLAIN, 0.40, [0.30, 0.50, 0.40])
+    assert (ngram.method, ngram.decode_s, ngram.acceptance_length) == ("ngram", 0.15, 3.0)
+    assert median_rounds(rounds[:2])[0].decode_s == 0.30  # even count: the lower middle
+    assert median_rounds(rounds[:1])[0].spec_stats == {}
+    rounds[2][1] = _timing("ngram", "qa", "q1", 0.15, [1, 2, 4])
+    with pytest.raises(RuntimeError, match="different outputs across rounds"):
+        median_rounds(rounds)
 
 
 def test_summary_geometric_means():

@@ -1,4 +1,5 @@
-from specserve.spec_decode.policy import (PROBE_EVERY, DraftLengthPolicy, best_num_drafts, expected_tokens)
+from specserve.spec_decode.policy import (PROBE_EVERY, DraftLengthPolicy, best_num_drafts, expected_tokens,
+                                          probe_interval)
 
 
 def test_expected_tokens_matches_the_closed_form():
@@ -22,6 +23,18 @@ def test_policy_backs_off_after_rejections_and_probes_again():
     for _ in range(10):
         policy.record("r", 1, 1)
     assert policy.num_drafts("r", 6) >= 4
+
+
+def test_an_expensive_drafter_probes_less_often():
+    """A draft model whose draft costs ~40% of a step probes about every 40 idle steps, so a request that
+    does not accept enough pays ~1% for probing; prompt lookup keeps probing every PROBE_EVERY steps."""
+    assert probe_interval(0.03) == PROBE_EVERY and probe_interval(0.4) == 40
+    policy = _policy_with_measured_costs({n: 0.02 for n in range(1, 10)})
+    for _ in range(10):
+        policy.record("r", 4, 0)
+        policy.observe_drafting(4, 4 * 0.008)  # 0.4 of a 20 ms step per draft token
+    decisions = [policy.num_drafts("r", 6) for _ in range(80)]
+    assert [i for i, k in enumerate(decisions) if k] == [39, 79] and set(decisions) == {0, 1}
 
 
 def test_fixed_policy_always_drafts_k():

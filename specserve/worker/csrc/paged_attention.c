@@ -184,44 +184,47 @@ static inline vf transpose_sum16(const vf x[16]) {
 
 /* Per-row state, `dim + 2` floats: the accumulator, then m and l. */
 
-/* Partial attention of rows r0..r1-1 of one request over blocks [b0, b1), each row from a fresh start,
- * into st (row r at st + (r - r0) * (dim + 2)). Row r is query head r / q_len at query token r % q_len, so
- * a kv head's rows are consecutive. Blocks are the outer loop, so each block's keys and values come from
- * memory once (in address order when the rows span all kv heads) and from L1 for the other rows; each
- * row's m, l and accumulator live in st between blocks and in registers within one. A row that sees none
- * of these keys is left with l = 0. */
-static inline __attribute__((always_inline)) void partial_rows_vec(
+#define CHUNK_KEYS (16 * CHUNK_BLOCKS)
+#define TILE_ROWS 32 /* rows whose scores for one chunk are held at once (TILE_ROWS * CHUNK_KEYS floats) */
+
+/* Partial attention of rows r0..r1-1 (r1 - r0 <= TILE_ROWS) of one request over the keys of blocks
+ * [b0, b1) (one chunk), each row from a fresh start, into st (row r at st + (r - r0) * (dim + 2)). Row r is
+ * query head r / q_len at query token r % q_len; callers pass rows of one kv head. Three passes over the
+ * chunk, each with the rows as the inner loop, so a block's keys or values come from memory once and from
+ * L1 for the other rows, and the rows' dependency chains (dot products, max, exp, sums) are independent
+ * of each other and overlap in the core: 1. every row's scores for every key, 2. per row the max over
+ * the chunk, exp and the sum, 3. the probability-weighted values. A row that sees none of these keys is
+ * left with l = 0. */
+static inline __attribute__((always_inline)) void partial_tile_vec(
         const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t q_start,
         int64_t q_len, int64_t c_len, int64_t r0, int64_t r1, int64_t b0, int64_t b1,
-        int64_t num_heads, int64_t num_kv_heads, float scale, float *st, const int NC) {
+        int64_t num_heads, int64_t num_kv_heads, float scale, float *st, float *sc, const int NC) {
     const int64_t dim = 16 * NC, stride = dim + 2, group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * dim, block_stride = 16 * token_stride;
-    for (int64_t r = r0; r < r1; r++) {
-        float *sr = st + (r - r0) * stride;
-        memset(sr, 0, sizeof(float) * dim);
-        sr[dim] = -INFINITY;
-        sr[dim + 1] = 0.0f;
-    }
     const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    for (int64_t b = b0, base = b0 * 16; b < b1 && base < c_len; b++, base += 16) {
-        if (b + 1 < b1 && base + 16 < c_len) { /* the next block's keys and values, while this one computes */
+    const vf neg_inf = (vf){0} - INFINITY;
+    if (b1 > (c_len + 15) / 16) b1 = (c_len + 15) / 16;
+    /* 1. scores: sc[(r - r0) * CHUNK_KEYS + (b - b0) * 16 + t], -inf past the row's position */
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t base = b * 16;
+        if (b + 1 < b1) { /* the next block's keys, while this one computes */
             const int64_t h0 = r0 / q_len / group * dim, h1 = ((r1 - 1) / q_len / group + 1) * dim;
-            const float *kn = k_cache + table[b + 1] * block_stride, *vn = v_cache + table[b + 1] * block_stride;
+            const float *kn = k_cache + table[b + 1] * block_stride;
             for (int t = 0; t < 16; t++)
-                for (int64_t c = h0; c < h1; c += 16) {
-                    __builtin_prefetch(kn + t * token_stride + c);
-                    __builtin_prefetch(vn + t * token_stride + c);
-                }
+                for (int64_t c = h0; c < h1; c += 16) __builtin_prefetch(kn + t * token_stride + c);
         }
         for (int64_t r = r0; r < r1; r++) {
             const int64_t h = r / q_len, j = r % q_len;
-            const float *kb = k_cache + table[b] * block_stride + h / group * dim;
-            const float *vb = v_cache + table[b] * block_stride + h / group * dim;
             const int64_t limit = c_len - q_len + j + 1; /* keys this row sees */
-            if (limit <= base) continue;
+            float *sr = sc + (r - r0) * CHUNK_KEYS + (b - b0) * 16;
+            if (limit <= base) {
+                memcpy(sr, &neg_inf, sizeof neg_inf);
+                continue;
+            }
             const int64_t n = limit - base < 16 ? limit - base : 16;
+            const float *kb = k_cache + table[b] * block_stride + h / group * dim;
             const float *qr = q + ((q_start + j) * num_heads + h) * dim;
-            vf qv[8], acc[8], acc2[8];
+            vf qv[8];
             for (int c = 0; c < NC; c++) qv[c] = load_vf(qr + 16 * c) * scale;
             vf x[16];
             for (int i = 0; i < 16; i++) {
@@ -236,29 +239,58 @@ static inline __attribute__((always_inline)) void partial_rows_vec(
                 x[i] = d;
             }
             vf s = transpose_sum16(x);
-            if (n < 16) { /* keys past the row's position: -inf */
+            if (n < 16) {
                 const vi beyond = lane >= (float)n;
-                s = (vf)(((vi)s & ~beyond) | ((vi)((vf){0} - INFINITY) & beyond));
+                s = (vf)(((vi)s & ~beyond) | ((vi)neg_inf & beyond));
             }
+            memcpy(sr, &s, sizeof s);
+        }
+    }
+    /* 2. per row: m = the max over the chunk, scores -> exp(score - m), l = their sum */
+    const int64_t nb = b1 - b0;
+    for (int64_t r = r0; r < r1; r++) {
+        float *sr = sc + (r - r0) * CHUNK_KEYS, *ar = st + (r - r0) * stride;
+        memset(ar, 0, sizeof(float) * dim);
+        vf mx = load_vf(sr);
+        for (int64_t b = 1; b < nb; b++) mx = vmax(mx, load_vf(sr + 16 * b));
+        const float m = hmax(mx);
+        ar[dim] = m;
+        if (m == -INFINITY) { /* sees none of these keys */
+            ar[dim + 1] = 0.0f;
+            continue;
+        }
+        vf lsum = (vf){0};
+        for (int64_t b = 0; b < nb; b++) {
+            const vf p = exp_vf(load_vf(sr + 16 * b) - m); /* exactly 0 where the score is -inf */
+            lsum += p;
+            memcpy(sr + 16 * b, &p, sizeof p);
+        }
+        ar[dim + 1] = hsum(lsum);
+    }
+    /* 3. acc += p * v, key by key in order (two accumulator sets, pairs of keys) */
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t base = b * 16;
+        if (b + 1 < b1) {
+            const int64_t h0 = r0 / q_len / group * dim, h1 = ((r1 - 1) / q_len / group + 1) * dim;
+            const float *vn = v_cache + table[b + 1] * block_stride;
+            for (int t = 0; t < 16; t++)
+                for (int64_t c = h0; c < h1; c += 16) __builtin_prefetch(vn + t * token_stride + c);
+        }
+        for (int64_t r = r0; r < r1; r++) {
+            const int64_t h = r / q_len, j = r % q_len;
+            const int64_t limit = c_len - q_len + j + 1;
+            if (limit <= base) continue;
+            const int64_t n = limit - base < 16 ? limit - base : 16;
+            const float *vb = v_cache + table[b] * block_stride + h / group * dim;
+            const float *ps = sc + (r - r0) * CHUNK_KEYS + (b - b0) * 16;
             float *ar = st + (r - r0) * stride;
-            float m = ar[dim], l = ar[dim + 1];
+            vf acc[8], acc2[8];
             for (int c = 0; c < NC; c++) {
                 acc[c] = load_vf(ar + 16 * c);
                 acc2[c] = (vf){0};
             }
-            const float mb = hmax(s);
-            if (mb > m) {
-                const float alpha = exp_nonpositive(m - mb); /* ~0 on the first block, where l, acc are 0 */
-                l *= alpha;
-                for (int c = 0; c < NC; c++) acc[c] *= alpha;
-                m = mb;
-            }
-            const vf p = exp_vf(s - m);
-            l += hsum(p);
-            float ps[16];
-            memcpy(ps, &p, sizeof ps);
             int64_t t = 0;
-            for (; t + 1 < n; t += 2) { /* two independent accumulator sets hide the FMA latency */
+            for (; t + 1 < n; t += 2) {
                 const float *v0 = vb + t * token_stride, *v1 = v0 + token_stride;
                 for (int c = 0; c < NC; c++) {
                     acc[c] += ps[t] * load_vf(v0 + 16 * c);
@@ -273,31 +305,34 @@ static inline __attribute__((always_inline)) void partial_rows_vec(
                 const vf sum = acc[c] + acc2[c];
                 memcpy(ar + 16 * c, &sum, sizeof sum);
             }
-            ar[dim] = m;
-            ar[dim + 1] = l;
         }
     }
 }
 
-#define PARTIAL_VEC(NC_)                                                                                \
-    partial_rows_vec(q, k_cache, v_cache, table, q_start, q_len, c_len, r0, r1, b0, b1, num_heads, \
-                     num_kv_heads, scale, st, NC_)
+#define PARTIAL_VEC(NC_)                                                                                  \
+    partial_tile_vec(q, k_cache, v_cache, table, q_start, q_len, c_len, t0, t1, b0, b1, num_heads,        \
+                     num_kv_heads, scale, st + (t0 - r0) * (head_dim + 2), scores, NC_)
 
-/* One compiled copy (noinline) serves both ways of running the chunks, so they agree to the bit. */
+/* partial_tile_vec over rows r0..r1-1 in tiles. One compiled copy (noinline) serves both ways of running
+ * the chunks, so they agree to the bit. */
 static __attribute__((noinline)) void partial_rows(const float *q, const float *k_cache, const float *v_cache,
                                                    const int64_t *table, int64_t q_start, int64_t q_len,
                                                    int64_t c_len, int64_t r0, int64_t r1, int64_t b0,
                                                    int64_t b1, int64_t num_heads, int64_t num_kv_heads,
                                                    int64_t head_dim, float scale, float *st) {
-    switch (head_dim / 16) {
-        case 1: PARTIAL_VEC(1); break;
-        case 2: PARTIAL_VEC(2); break;
-        case 3: PARTIAL_VEC(3); break;
-        case 4: PARTIAL_VEC(4); break;
-        case 5: PARTIAL_VEC(5); break;
-        case 6: PARTIAL_VEC(6); break;
-        case 7: PARTIAL_VEC(7); break;
-        default: PARTIAL_VEC(8); break;
+    float scores[TILE_ROWS * CHUNK_KEYS];
+    for (int64_t t0 = r0; t0 < r1; t0 += TILE_ROWS) {
+        const int64_t t1 = t0 + TILE_ROWS < r1 ? t0 + TILE_ROWS : r1;
+        switch (head_dim / 16) {
+            case 1: PARTIAL_VEC(1); break;
+            case 2: PARTIAL_VEC(2); break;
+            case 3: PARTIAL_VEC(3); break;
+            case 4: PARTIAL_VEC(4); break;
+            case 5: PARTIAL_VEC(5); break;
+            case 6: PARTIAL_VEC(6); break;
+            case 7: PARTIAL_VEC(7); break;
+            default: PARTIAL_VEC(8); break;
+        }
     }
 }
 

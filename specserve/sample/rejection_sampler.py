@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.sample.metadata import SamplingMetadata
+from specserve.worker.kernels import argmax_rows
 from specserve.sample.sampler import (LogprobsTensors, apply_penalties_and_masks, compute_probs,
                                       gather_logprobs, random_sample)
 from specserve.spec_decode.metadata import SpecDecodeMetadata
@@ -95,7 +96,7 @@ def _verify_argmax(spec: SpecDecodeMetadata, logits: torch.Tensor) -> RejectionO
     """All rows greedy and nothing that depends on earlier tokens (penalties, min_tokens) or asks for
     logprobs: the raw argmax is the target token of every row, so verification is one argmax and a scan
     of the drafts, without expanding the sampling metadata per position (the general path's ~0.4 ms)."""
-    target = logits.argmax(dim=-1).tolist()  # [T_d + B]
+    target = argmax_rows(logits).tolist()  # [T_d + B]
     drafts = spec.draft_token_ids.tolist()
     draft_rows, bonus_rows = spec.target_logits_indices.tolist(), spec.bonus_logits_indices.tolist()
     token_ids, accepted, start = [], [], 0
@@ -115,7 +116,7 @@ def _verify_greedy(logits: torch.Tensor, expanded: SamplingMetadata, drafts: tor
 
     Argmax of the penalised logits only, exactly what the Sampler picks; no softmax.
     """
-    target = apply_penalties_and_masks(logits, expanded).argmax(dim=-1)  # [T_d + B]
+    target = argmax_rows(apply_penalties_and_masks(logits, expanded))  # [T_d + B]
     num_accepted = _count_accepted(drafts == target[layout.draft_rows], layout)
     return num_accepted, target[layout.row_starts + num_accepted]
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.sample.metadata import SamplingMetadata
+from specserve.worker.kernels import argmax_rows
 
 _TOP_CANDIDATES = 1024  # partial selection size for top-k / top-p
 _NEG_INF = float("-inf")
@@ -38,7 +39,7 @@ class Sampler:
         _check_shape(logits, meta)
         penalised = apply_penalties_and_masks(logits, meta)  # [B, V]
         if meta.all_greedy:
-            sampled = penalised.argmax(dim=-1)
+            sampled = argmax_rows(penalised)
         else:
             # Greedy rows come out one-hot, so the race returns their argmax too.
             sampled = random_sample(_probs_from_penalised(penalised, meta), meta.generators)

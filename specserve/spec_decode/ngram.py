@@ -96,6 +96,8 @@ class _History:
 class NgramProposer:
     """Prompt lookup (vLLM's `ngram` method): no model, drafts copied from the request's own history."""
 
+    uses_target_states = False  # reads token ids only
+
     def __init__(self, spec_config) -> None:
         self.min_n = spec_config.prompt_lookup_min
         self.max_n = spec_config.prompt_lookup_max

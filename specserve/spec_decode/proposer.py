@@ -21,7 +21,8 @@ class DraftInputs:
     token_ids: list[list[int]]  # [B] full history (prompt + outputs incl. this step's); do not mutate
     num_prompt_tokens: list[int]  # [B]
     num_drafts: list[int]  # [B] drafts wanted per request (0: none for this request)
-    # Target states of the accepted tokens this step (rejected draft tails dropped), flattened:
+    # Target states of the accepted tokens this step (rejected draft tails dropped), flattened; no rows
+    # (and cu_num_tokens all 0) for a proposer whose `uses_target_states` attribute is False:
     target_token_ids: torch.Tensor  # [T]
     target_positions: torch.Tensor  # [T] or [3, T] (M-RoPE): exactly the positions the target saw
     target_hidden_states: torch.Tensor  # [T, hidden] final hidden states (before the LM head norm? no: after)
@@ -41,6 +42,9 @@ class Drafts:
 
 
 class Proposer(Protocol):
+    # False for proposers that read token ids only: the runner then skips gathering hidden states
+    uses_target_states: bool
+
     def propose(self, inputs: DraftInputs) -> Drafts: ...
 
 

@@ -171,6 +171,8 @@ class SuffixTrie:
 class SuffixProposer:
     """vLLM's `suffix` method: per-request tries plus a global trie of finished requests' outputs."""
 
+    uses_target_states = False  # reads token ids only
+
     def __init__(self, spec_config) -> None:
         self.k = spec_config.num_speculative_tokens
         self.depth = spec_config.suffix_decoding_max_tree_depth

@@ -118,6 +118,7 @@ def _bind(lib):
         "silu_mul_f32": ([ptr, ptr, i64, i64], None),
         "rope_qk_f32": ([ptr, ptr, ptr, i64, i64, i64, i64], None),
         "gemm_packed_f32": ([ptr, ptr, ptr, ptr, i64, i64, i64], None),
+        "argmax_rows_f32": ([ptr, i64, i64, ptr], None),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
@@ -183,6 +184,16 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
     _check(qkv=qkv, cos=cos, sin=sin)
     _lib().rope_qk_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads,
                        head_dim)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [rows, cols] -> [rows] int64, torch.argmax(x, dim=-1)'s answer (first maximum; first NaN), on the C
+    kernel for contiguous fp32 rows when the kernels are enabled, else torch's."""
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] == 0 or not kernel_enabled():
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib().argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
 
 
 GEMM_BLOCK = 32  # output columns per packed block (csrc/gemm.c)

@@ -273,13 +273,15 @@ class ModelRunner:
                             aux) -> DraftInputs:
         """Target states of the accepted tokens of each sampling request; rejected tails dropped."""
         req_ids = batch.sample_req_ids
-        row_of = {rid: i for i, rid in enumerate(batch.req_ids)}
-        index, cu = [], [0]
-        for rid, drafts in zip(req_ids, batch.draft_token_ids):
-            start, end = batch.query_start_loc[row_of[rid]], batch.query_start_loc[row_of[rid] + 1]
-            num_rejected = len(drafts) + 1 - len(sampled[rid])
-            index.extend(range(start, end - num_rejected))
-            cu.append(len(index))
+        index, cu = [], [0] * (len(req_ids) + 1)
+        if getattr(self.proposer, "uses_target_states", True):  # prompt lookup, suffix: token ids only
+            row_of = {rid: i for i, rid in enumerate(batch.req_ids)}
+            cu = [0]
+            for rid, drafts in zip(req_ids, batch.draft_token_ids):
+                start, end = batch.query_start_loc[row_of[rid]], batch.query_start_loc[row_of[rid] + 1]
+                num_rejected = len(drafts) + 1 - len(sampled[rid])
+                index.extend(range(start, end - num_rejected))
+                cu.append(len(index))
         index_t = torch.tensor(index, dtype=torch.long)
         states = [self.requests[rid] for rid in req_ids]
         finished, self.finished_since_draft = self.finished_since_draft, set()

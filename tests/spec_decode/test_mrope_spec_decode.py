@@ -51,3 +51,35 @@ def test_every_proposer_keeps_greedy_output_under_mrope(spec, folder, prompts_an
     assert m.num_drafts > 0
     if spec["method"] == "draft_model":
         assert m.num_accepted_tokens == m.num_draft_tokens  # self-draft: positions and slots right
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_drafters_get_the_targets_own_positions_and_tokens(method, folder, prompts_and_reference):
+    """A proposer that reads target states gets, per request, the accepted tokens of the step with the
+    [3, T] positions the target computed them at (text: three equal rows, the absolute index); prompt
+    lookup and suffix read token ids only and get no rows."""
+    prompts, _ = prompts_and_reference
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive_draft_length": False}
+    llm = LLM(model=folder, speculative_config=dict(spec, model=folder) if method == "draft_model" else spec,
+              **ENGINE)
+    runner = llm.llm_engine.runner
+    seen = []
+    propose = runner.proposer.propose
+    # histories keep growing after the call: copy them
+    runner.proposer.propose = lambda inputs: (seen.append((inputs, [list(t) for t in inputs.token_ids])),
+                                              propose(inputs))[1]
+    llm.generate(prompts[:3], PARAMS, use_tqdm=False)
+    assert seen
+    for inputs, histories in seen:
+        if method == "ngram":
+            assert inputs.target_token_ids.numel() == 0 and inputs.cu_num_tokens == [0] * (len(inputs.req_ids) + 1)
+            continue
+        pos = inputs.target_positions
+        assert pos.shape == (3, len(inputs.target_token_ids)) and torch.equal(pos[0], pos[1])
+        assert torch.equal(pos[0], pos[2]) and inputs.target_hidden_states.shape[0] == pos.shape[1]
+        for i, history in enumerate(histories):
+            lo, hi = inputs.cu_num_tokens[i], inputs.cu_num_tokens[i + 1]
+            # the tokens fed this step and kept: they end right before the token sampled last
+            assert pos[0, lo:hi].tolist() == list(range(len(history) - 1 - (hi - lo), len(history) - 1))
+            assert inputs.target_token_ids[lo:hi].tolist() == history[len(history) - 1 - (hi - lo):-1]
+            assert hi - lo >= len(inputs.sampled_token_ids[i])  # a verification keeps one row per new token

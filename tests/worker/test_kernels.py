@@ -129,3 +129,22 @@ def test_gemm_rows_do_not_depend_on_the_batch():
     for start, rows in [(0, 1), (5, 1), (3, 4), (20, 6), (8, 13)]:
         part = kernels.gemm_packed(x[start:start + rows].contiguous(), packed, None, 200)
         assert torch.equal(part, full[start:start + rows])
+
+
+@needs_c
+def test_argmax_matches_torch_on_ties_nans_and_infinities():
+    g = torch.Generator().manual_seed(1)
+    for rows, cols in [(1, 49152), (6, 49152), (20, 1000), (3, 70), (2, 5)]:
+        x = torch.randn(rows, cols, generator=g)
+        assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+    x = torch.randn(7, 200, generator=g)
+    x[0, 150] = x[0, 40] = 9.0  # a tie: the first
+    x[1, 130] = x[1, 3] = float("nan")  # NaN wins, the first one
+    x[2] = 1.0  # all equal
+    x[3] = float("-inf")
+    x[4, 199] = float("inf")
+    x[5, 64] = 50.0  # first element of the second 64-wide stretch
+    x[6, 63] = 50.0  # last element of the first
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+    assert kernels.argmax_rows(x.double()).dtype == torch.int64  # other dtypes: torch's
+    assert torch.equal(kernels.argmax_rows(x.t().contiguous().t()), x.argmax(dim=-1))  # non-contiguous: torch's

@@ -9,7 +9,8 @@ text turns repetitive gets speculation back.
 cost(k) is measured: the runner reports the time of every step that verifies one request alone, and
 once both a one-token step and a (1 + k)-token step have been seen a few times, their ratio replaces the
 linear prior 1 + c * k. The curve depends on the kernels, the machine and the context length (with oneDNN
-linears it jumped at 7 rows; with specserve's GEMM it rises ~5% per token at ~1k tokens of context).
+linears it jumped at 7 rows; with specserve's GEMM and chunked attention it rises ~2% per token at ~1k
+tokens of context, most of it attention).
 The proposer's own time per draft token is added (nothing for prompt lookup, a forward pass of the
 drafter per token for draft_model).
 
@@ -31,6 +32,10 @@ from dataclasses import dataclass
 DEFAULT_COST_PER_DRAFT = 0.035
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 2.0  # optimistic start: new requests draft
 DECAY = 0.8  # weight of the history at each verification: adapts within a few steps
+# A new request starts from the engine's own recent acceptance when that is higher than the prior: a
+# drafter that proved good (the int8 self-draft accepts ~80% of its drafts here) is not priced out of
+# every new request by the generic prior. Seeded requests keep the fixed prior (no dependence on others).
+ENGINE_DECAY = 0.98  # weight of the history per verification in the engine-wide rate: ~50 verifications
 PROBE_EVERY = 8  # steps without drafting before one probing draft, when a draft is cheap
 # A probe's extra cost (cost(1) - 1; for a draft model also its catch-up on the tokens since its last
 # call) is spread over the idle steps before it: probes of an expensive drafter come at most every
@@ -51,11 +56,11 @@ class AcceptanceStats:
     def rate(self) -> float:
         return self.accepted / self.trials
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def record(self, num_drafts: int, num_accepted: int, decay: float = DECAY) -> None:
         """Drafts are tried in order until the first rejection: a accepted of min(a + 1, n) tried."""
         tried = min(num_accepted + 1, num_drafts)
-        self.accepted = self.accepted * DECAY + num_accepted
-        self.trials = self.trials * DECAY + tried
+        self.accepted = self.accepted * decay + num_accepted
+        self.trials = self.trials * decay + tried
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -154,6 +159,7 @@ class DraftLengthPolicy:
         self.cost_per_draft = cost_per_draft
         self.adaptive = adaptive
         self.stats: dict[str, AcceptanceStats] = {}
+        self.engine_stats = AcceptanceStats()  # every request's verifications, for new requests' start
         self.step_costs = StepCosts(cost_per_draft)  # one-request steps, by size
         self.batch_fit = LinearStepFit()  # steps of several requests
         self.num_running = 0  # requests in the last step
@@ -198,7 +204,10 @@ class DraftLengthPolicy:
         not on timings or batch-mates."""
         if not self.adaptive or max_k == 0:
             return max_k
-        stats = self.stats.setdefault(req_id, AcceptanceStats())
+        stats = self.stats.get(req_id)
+        if stats is None:
+            rate = PRIOR_ACCEPTANCE if seeded else max(PRIOR_ACCEPTANCE, self.engine_stats.rate)
+            stats = self.stats[req_id] = AcceptanceStats(accepted=rate * PRIOR_WEIGHT)
         cost = (lambda k: 1.0 + self.cost_per_draft * k) if seeded else self._cost()
         k = best_num_drafts_for(stats.rate, max_k, cost)
         if k > 0:
@@ -214,6 +223,7 @@ class DraftLengthPolicy:
     def record(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         if num_drafts:
             self.stats.setdefault(req_id, AcceptanceStats()).record(num_drafts, num_accepted)
+            self.engine_stats.record(num_drafts, num_accepted, ENGINE_DECAY)
 
     def forget(self, req_id: str) -> None:
         self.stats.pop(req_id, None)

@@ -1,3 +1,5 @@
+import pytest
+
 from specserve.spec_decode.policy import (PROBE_EVERY, DraftLengthPolicy, best_num_drafts, expected_tokens,
                                           probe_interval)
 
@@ -35,6 +37,24 @@ def test_an_expensive_drafter_probes_less_often():
         policy.observe_drafting(4, 4 * 0.008)  # 0.4 of a 20 ms step per draft token
     decisions = [policy.num_drafts("r", 6) for _ in range(80)]
     assert [i for i, k in enumerate(decisions) if k] == [39, 79] and set(decisions) == {0, 1}
+
+
+def test_new_requests_start_from_the_engines_acceptance_when_it_beats_the_prior():
+    """A drafter costing 65% of a step does not pay at the prior's 60% acceptance, but does at the 85% its
+    earlier requests showed; a seeded request keeps the prior, and a poor engine rate changes nothing."""
+    def policy_with_history(accepted_of_4):
+        policy = _policy_with_measured_costs({n: 0.02 for n in range(1, 10)})
+        policy.observe_drafting(4, 4 * 0.013)
+        for _ in range(30):
+            policy.record("old", 4, accepted_of_4)
+        return policy
+
+    good = policy_with_history(4)
+    assert good.num_drafts("new", 4) > 0
+    assert good.num_drafts("seeded", 4, seeded=True) == best_num_drafts(0.6, 4)  # the prior, fixed cost
+    poor = policy_with_history(0)
+    assert poor.engine_stats.rate < 0.1 and poor.num_drafts("new", 4) == 0
+    assert poor.stats["new"].rate == pytest.approx(0.6)
 
 
 def test_fixed_policy_always_drafts_k():

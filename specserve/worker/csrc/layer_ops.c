@@ -82,6 +82,13 @@ static inline am_vf am_vmax(am_vf a, am_vf b) { /* a where a > b, else b */
     return (am_vf)((gt & (am_vi)a) | (~gt & (am_vi)b));
 }
 
+static inline void load64(const float *p, am_vf *v0, am_vf *v1, am_vf *v2, am_vf *v3) {
+    memcpy(v0, p, 64);
+    memcpy(v1, p + 16, 64);
+    memcpy(v2, p + 32, 64);
+    memcpy(v3, p + 48, 64);
+}
+
 /* The first index holding `value` (NaN: the first NaN). Whole 64-float stretches are tested with vector
  * compares; the stretch that holds it is then scanned. */
 static int64_t first_match(const float *xr, int64_t cols, float value) {
@@ -90,10 +97,7 @@ static int64_t first_match(const float *xr, int64_t cols, float value) {
         const am_vf splat = (am_vf){0} + value;
         for (; c + 64 <= cols; c += 64) {
             am_vf v0, v1, v2, v3;
-            memcpy(&v0, xr + c, 64);
-            memcpy(&v1, xr + c + 16, 64);
-            memcpy(&v2, xr + c + 32, 64);
-            memcpy(&v3, xr + c + 48, 64);
+            load64(xr + c, &v0, &v1, &v2, &v3);
             const am_vi hit = (v0 == splat) | (v1 == splat) | (v2 == splat) | (v3 == splat);
             int any = 0;
             for (int i = 0; i < 16; i++) any |= hit[i];
@@ -118,10 +122,7 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t *out) {
         int64_t c = 0;
         for (; c + 64 <= cols; c += 64) {
             am_vf v0, v1, v2, v3;
-            memcpy(&v0, xr + c, 64);
-            memcpy(&v1, xr + c + 16, 64);
-            memcpy(&v2, xr + c + 32, 64);
-            memcpy(&v3, xr + c + 48, 64);
+            load64(xr + c, &v0, &v1, &v2, &v3);
             m0 = am_vmax(v0, m0);
             m1 = am_vmax(v1, m1);
             m2 = am_vmax(v2, m2);

@@ -184,6 +184,12 @@ static inline vf transpose_sum16(const vf x[16]) {
 
 /* Per-row state, `dim + 2` floats: the accumulator, then m and l. */
 
+/* Start loading floats [h0, h1) of each of a block's 16 tokens (its kv heads in use) into the cache. */
+static inline void prefetch_block(const float *block, int64_t token_stride, int64_t h0, int64_t h1) {
+    for (int t = 0; t < 16; t++)
+        for (int64_t c = h0; c < h1; c += 16) __builtin_prefetch(block + t * token_stride + c);
+}
+
 #define CHUNK_KEYS (16 * CHUNK_BLOCKS)
 #define TILE_ROWS 32 /* rows whose scores for one chunk are held at once (TILE_ROWS * CHUNK_KEYS floats) */
 
@@ -204,15 +210,11 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
     const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const vf neg_inf = (vf){0} - INFINITY;
     if (b1 > (c_len + 15) / 16) b1 = (c_len + 15) / 16;
+    const int64_t h0 = r0 / q_len / group * dim, h1 = ((r1 - 1) / q_len / group + 1) * dim; /* kv heads' floats */
     /* 1. scores: sc[(r - r0) * CHUNK_KEYS + (b - b0) * 16 + t], -inf past the row's position */
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = b * 16;
-        if (b + 1 < b1) { /* the next block's keys, while this one computes */
-            const int64_t h0 = r0 / q_len / group * dim, h1 = ((r1 - 1) / q_len / group + 1) * dim;
-            const float *kn = k_cache + table[b + 1] * block_stride;
-            for (int t = 0; t < 16; t++)
-                for (int64_t c = h0; c < h1; c += 16) __builtin_prefetch(kn + t * token_stride + c);
-        }
+        if (b + 1 < b1) prefetch_block(k_cache + table[b + 1] * block_stride, token_stride, h0, h1); /* next keys */
         for (int64_t r = r0; r < r1; r++) {
             const int64_t h = r / q_len, j = r % q_len;
             const int64_t limit = c_len - q_len + j + 1; /* keys this row sees */
@@ -270,12 +272,7 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
     /* 3. acc += p * v, key by key in order (two accumulator sets, pairs of keys) */
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = b * 16;
-        if (b + 1 < b1) {
-            const int64_t h0 = r0 / q_len / group * dim, h1 = ((r1 - 1) / q_len / group + 1) * dim;
-            const float *vn = v_cache + table[b + 1] * block_stride;
-            for (int t = 0; t < 16; t++)
-                for (int64_t c = h0; c < h1; c += 16) __builtin_prefetch(vn + t * token_stride + c);
-        }
+        if (b + 1 < b1) prefetch_block(v_cache + table[b + 1] * block_stride, token_stride, h0, h1); /* next values */
         for (int64_t r = r0; r < r1; r++) {
             const int64_t h = r / q_len, j = r % q_len;
             const int64_t limit = c_len - q_len + j + 1;

@@ -296,13 +296,14 @@ def median_rounds(rounds: list[list[RequestTiming]]) -> list[RequestTiming]:
             by_key.setdefault((t.method, t.question_id), []).append(t)
     chosen = []
     for t in rounds[0]:
-        runs = sorted(by_key[(t.method, t.question_id)], key=lambda x: x.decode_s)
+        in_order = by_key[(t.method, t.question_id)]
+        runs = sorted(in_order, key=lambda x: x.decode_s)
         pick = runs[(len(runs) - 1) // 2]
         if len(runs) > 1:
-            pick = replace(pick, spec_stats={**pick.spec_stats,
-                                             "decode_s_rounds": [x.decode_s for x in by_key[(t.method, t.question_id)]]})
+            pick = replace(pick, spec_stats={**pick.spec_stats, "decode_s_rounds": [x.decode_s for x in in_order]})
             if any(x.token_ids != runs[0].token_ids for x in runs):  # greedy: every round must agree
-                raise RuntimeError(f"{LABELS[t.method]} gave different outputs across rounds on question {t.question_id}")
+                raise RuntimeError(f"{LABELS[t.method]} gave different outputs across rounds on question "
+                                   f"{t.question_id}")
         chosen.append(pick)
     return chosen
 

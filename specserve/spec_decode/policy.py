@@ -38,9 +38,9 @@ DECAY = 0.8  # weight of the history at each verification: adapts within a few s
 ENGINE_DECAY = 0.98  # weight of the history per verification in the engine-wide rate: ~50 verifications
 PROBE_EVERY = 8  # steps without drafting before one probing draft, when a draft is cheap
 # A probe's extra cost (cost(1) - 1; for a draft model also its catch-up on the tokens since its last
-# call) is spread over the idle steps before it: probes of an expensive drafter come at most every
-# (cost(1) - 1) / PROBE_BUDGET steps. Measured with the int8 self-draft (a draft ~0.45 of a step): probing
-# every 8 steps made requests that never accepted enough 1-4% slower than plain decoding.
+# call) is spread over the idle steps before it: a drafter whose draft costs c steps probes at most every
+# c / PROBE_BUDGET idle steps, so probing costs a request that stopped drafting ~1% (prompt lookup, c ~0.02,
+# keeps PROBE_EVERY; an int8 self-draft at c ~0.45 probes every ~45 steps instead of every 8).
 PROBE_BUDGET = 0.01
 DRAFTING_EMA = 0.8  # weight of the history in the proposer's seconds per draft token
 MAX_PROBE_COST = 0.5  # no probing when one draft costs this much of a step share (a busy, compute-bound batch)

@@ -182,8 +182,6 @@ static inline vf transpose_sum16(const vf x[16]) {
  * every core streams keys and values, instead of each core walking one kv head's blocks alone). */
 #define CHUNK_BLOCKS 8
 
-/* Per-row state, `dim + 2` floats: the accumulator, then m and l. */
-
 /* Start loading floats [h0, h1) of each of a block's 16 tokens (its kv heads in use) into the cache. */
 static inline void prefetch_block(const float *block, int64_t token_stride, int64_t h0, int64_t h1) {
     for (int t = 0; t < 16; t++)
@@ -333,6 +331,7 @@ static __attribute__((noinline)) void partial_rows(const float *q, const float *
     }
 }
 
+/* Per-row state, `dim + 2` floats: the accumulator, then m and l; init: no keys seen. */
 static void init_state(float *st, int64_t rows, int64_t dim) {
     for (int64_t r = 0; r < rows; r++) {
         st[r * (dim + 2) + dim] = -INFINITY;
@@ -370,7 +369,7 @@ static __attribute__((noinline)) void write_rows(float *out, const float *st, in
 
 static int64_t num_chunks(int64_t c_len) { return (c_len + 16 * CHUNK_BLOCKS - 1) / (16 * CHUNK_BLOCKS); }
 
-/* Chunks one after another: rows r0..r1-1 of one request (see partial_rows_vec). work: 2 * rows * (dim + 2). */
+/* Chunks one after another: rows r0..r1-1 of one request (see partial_tile_vec). work: 2 * rows * (dim + 2). */
 static void attend_rows_chunked(const float *q, float *out, const float *k_cache, const float *v_cache,
                                 const int64_t *table, int64_t q_start, int64_t q_len, int64_t c_len, int64_t r0,
                                 int64_t r1, int64_t num_heads, int64_t num_kv_heads, int64_t dim, float scale,
@@ -386,14 +385,15 @@ static void attend_rows_chunked(const float *q, float *out, const float *k_cache
     write_rows(out, run, q_start, q_len, r0, r1, num_heads, dim);
 }
 
-/* Chunks side by side, for a few short queries: each (request, chunk) is a work item over all the
- * request's rows, writing its partials to a scratch buffer; then each request folds them in chunk order. */
+/* Chunks side by side, for a few short queries: each (request, chunk, kv head) is a work item over that kv
+ * head's rows, writing its partials to a scratch buffer; then each request folds them in chunk order. */
 static int attend_split(const float *q, float *out, const float *k_cache, const float *v_cache,
                         const int64_t *block_table, int64_t table_width, const int64_t *query_start,
                         const int64_t *query_len, const int64_t *context_len, int64_t num_seqs, int64_t num_heads,
                         int64_t num_kv_heads, int64_t dim, float scale) {
     const int64_t stride = dim + 2, group = num_heads / num_kv_heads;
-    /* item i: (seq item_seq[i], chunk item_chunk[i]); its partials start at scratch + item_off[i] */
+    /* item i: (seq item_seq[i], chunk item_chunk[i]); its partials start at scratch + item_off[i], kv head by
+     * kv head */
     int64_t items = 0, floats = 0;
     for (int64_t s = 0; s < num_seqs; s++) items += num_chunks(context_len[s]);
     int64_t *meta = malloc(sizeof(int64_t) * (3 * items + num_seqs + 1));
@@ -439,8 +439,8 @@ static int attend_split(const float *q, float *out, const float *k_cache, const 
 
 /* Whether to split the context over the threads: short queries (decode, verification) from too few
  * requests to give every thread two (request, kv head) pairs. Measured on SmolLM2's shapes (3 kv heads,
- * 2 threads, 1000-token contexts, 30 layers): one decoding request 2.0 ms split vs 2.6 ms not; at two or
- * three requests the same; at four and more, not splitting is faster. */
+ * 2 threads, 1000-token contexts, 30 layers, with the first chunked kernel): one decoding request 2.0 ms
+ * split vs 2.6 ms not; at two or three requests the same; at four and more, not splitting is faster. */
 static int use_split(const int64_t *query_len, int64_t num_seqs, int64_t num_kv_heads) {
     if (num_seqs * num_kv_heads >= 2 * omp_get_max_threads()) return 0;
     for (int64_t s = 0; s < num_seqs; s++)

@@ -14,7 +14,7 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="bfloat16: bf16 linear weights with fp32 activations (faster, approximate)")
     p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: dynamic int8 linear weights (fastest, approximate)")
+                   help="int8: int8 linear weights with per-channel scales (fastest, approximate)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)

@@ -13,7 +13,7 @@ class EngineConfig:
     # auto/float32: exact fp32. bfloat16: linear weights stored in bf16 (oneDNN), fp32 activations and KV.
     # float16: the whole model in fp16 (plain F.linear).
     dtype: str = "auto"
-    quantization: str | None = None  # "int8": dynamic int8 linear weights (fbgemm), approximate
+    quantization: str | None = None  # "int8": int8 linear weights (per-channel scales), approximate
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024

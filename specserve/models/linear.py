@@ -89,10 +89,16 @@ Approximate (opt-in only, ``weight_dtype=``), both measured faster than any fp32
 * ``torch.bfloat16``: oneDNN bf16 (avx512_bf16 brgemm), activations rounded to bf16,
   fp32 output. lm_head 2.2 ms at 1 row / 3.0 ms at 8 (vs 3.9 / 5.3 fp32); whole model
   ~1.4x faster. Max relative error ~3e-3 per layer.
-* ``"int8"`` / ``torch.qint8``: fbgemm dynamic quantization, per-output-channel int8
-  weights, activations quantized per call (per-tensor uint8; full range because this CPU
-  has VNNI). Fastest: lm_head 1.2 / 1.7 ms, whole model 2-2.5x faster than fp32. Max
-  relative error ~1e-2 per layer -- will change greedy tokens; evaluate before use.
+* ``"int8"`` / ``torch.qint8``: per-output-channel symmetric int8 weights. With the C kernels
+  (``c_int8``): weight-only quantization, fp32 activations, the fp32 GEMM's block layout with
+  each k step's 32 weights widened to fp32 once for every row (csrc/gemm.c). A decode step
+  streams a quarter of the bytes: lm_head 0.46 ms vs 2.1 ms fp32 at 1 row, SmolLM2's linears
+  3.6 vs 11.9 ms per step (2 threads). Error: the weights' rounding only (max relative
+  error ~4e-3 per weight). Without the C kernels: fbgemm dynamic quantization, activations
+  quantized per call too (per-tensor uint8; full range because this CPU has VNNI): lm_head
+  1.2 / 1.7 ms, whole model 2-2.5x faster than fp32, max relative error ~1e-2 per layer.
+  Either will change greedy tokens; evaluate before use (the draft model uses it: drafts
+  need only agree with the target most of the time).
   (``torch._weight_int8pack_mm`` was 100x slower with fp32 activations; oneDNN fp16
   ``linear_dynamic_fp16`` 400-500 ms for lm_head without avx512_fp16.)
 
@@ -285,7 +291,8 @@ class FastLinear(torch.nn.Module):
         bias: optional ``[out_features]``.
         backend: "auto" | "c" | "torch" | "numpy" | "onednn"; default from $SPECSERVE_LINEAR_BACKEND.
         weight_dtype: None (exact fp32, default) or an *approximate* opt-in:
-            ``torch.bfloat16`` (oneDNN bf16) or ``"int8"`` (fbgemm dynamic quantization).
+            ``torch.bfloat16`` (oneDNN bf16) or ``"int8"`` (int8 weights: the C GEMM with fp32
+            activations when the C kernels build, else fbgemm dynamic quantization).
             With a weight_dtype the backend argument is ignored.
 
     ``forward(x[..., in]) -> [..., out]`` for float32 ``x`` of any shape/strides.
@@ -320,6 +327,7 @@ class FastLinear(torch.nn.Module):
         self._w_packed = None  # oneDNN-packed fp32 weight (opaque mkldnn tensor)
         self._w_packed_bf16 = None  # oneDNN-packed bf16 weight
         self._w_int8 = None  # fbgemm packed params
+        self._w_blocks_int8 = None  # (int8 blocks [ceil(out / 32), in, 32], fp32 scales [out]) for the C GEMM
         self._numpy_max_rows = 0  # rows <= this go to numpy
         self._slow = "torch"  # path for rows above _numpy_max_rows
 
@@ -328,6 +336,9 @@ class FastLinear(torch.nn.Module):
                 raise RuntimeError("weight_dtype=bfloat16 needs oneDNN bf16 support")
             self._w_packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), None)
             self.backend, self._slow = "onednn_bf16", "bf16"
+        elif self.weight_dtype == "int8" and kernels.kernel_enabled():
+            self._w_blocks_int8 = kernels.pack_gemm_weight_int8(w)
+            self.backend, self._slow = "c_int8", "c_int8"
         elif self.weight_dtype == "int8":
             if not FBGEMM_AVAILABLE:
                 raise RuntimeError("weight_dtype=int8 needs the fbgemm quantized engine")
@@ -384,11 +395,14 @@ class FastLinear(torch.nn.Module):
             return self._w_packed.to_dense()
         if self._w_packed_bf16 is not None:
             return self._w_packed_bf16.to_dense().float()
+        if self._w_blocks_int8 is not None:
+            return kernels.unpack_gemm_weight_int8(*self._w_blocks_int8)
         w, _ = torch.ops.quantized.linear_unpack(self._w_int8)
         return w.dequantize()
 
     def path_for_rows(self, rows: int) -> str:
-        """Which kernel a call with ``rows`` rows uses ("c", "numpy", "onednn", "torch", "bf16", "int8")."""
+        """Which kernel a call with ``rows`` rows uses ("c", "numpy", "onednn", "torch", "bf16", "c_int8",
+        "int8")."""
         return "numpy" if rows <= self._numpy_max_rows else self._slow
 
     # ------------------------------------------------------------------
@@ -406,6 +420,9 @@ class FastLinear(torch.nn.Module):
         path = self._slow
         if path == "c":
             y = kernels.gemm_packed(x.reshape(rows, self.in_features).contiguous(), self._w_blocks, self.bias, self.out_features)
+            return y.view(*lead, self.out_features)
+        if path == "c_int8":
+            y = kernels.gemm_packed_int8(x.reshape(rows, self.in_features).contiguous(), *self._w_blocks_int8, self.bias)
             return y.view(*lead, self.out_features)
         if path == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self._w_packed, self.bias, "none", [], "")

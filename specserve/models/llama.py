@@ -79,7 +79,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weight_d
     """The linear-layer implementation used for every projection (the fastest measured on the host).
 
     weight_dtype None keeps exact fp32; torch.bfloat16 or "int8" store the weight that way (oneDNN bf16,
-    fbgemm dynamic int8) with fp32 activations: fewer bytes per decode step, approximate results.
+    int8 with per-channel scales) with fp32 activations: fewer bytes per decode step, approximate results.
     """
     from specserve.models.linear import FastLinear
 

@@ -118,6 +118,7 @@ def _bind(lib):
         "silu_mul_f32": ([ptr, ptr, i64, i64], None),
         "rope_qk_f32": ([ptr, ptr, ptr, i64, i64, i64, i64], None),
         "gemm_packed_f32": ([ptr, ptr, ptr, ptr, i64, i64, i64], None),
+        "gemm_packed_i8": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "argmax_rows_f32": ([ptr, i64, i64, ptr], None),
     }
     for name, (argtypes, restype) in signatures.items():
@@ -223,4 +224,31 @@ def gemm_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     if rows:
         _lib().gemm_packed_f32(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
                                y.data_ptr(), rows, k, out_features)
+    return y
+
+
+def pack_gemm_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] fp32 -> (int8 blocks [ceil(N / 32), K, 32], fp32 scales [N]): symmetric per-output-channel
+    quantization, q = round(w / scale) with scale = max|w[n]| / 127."""
+    scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    q = torch.round(weight / scale[:, None]).clamp_(-127, 127)
+    return pack_gemm_weight(q).to(torch.int8), scale.contiguous()
+
+
+def unpack_gemm_weight_int8(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The dequantized fp32 weight [N, K] of pack_gemm_weight_int8's output."""
+    return unpack_gemm_weight(packed.float(), scale.shape[0]) * scale[:, None]
+
+
+def gemm_packed_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32 @ (scale * q)^T (+ bias) -> [M, N], q packed by pack_gemm_weight_int8; like gemm_packed,
+    a row's result does not depend on M."""
+    _check(x=x, scale=scale, **({"bias": bias} if bias is not None else {}))
+    _check(torch.int8, packed=packed)
+    rows, k = x.shape
+    y = x.new_empty(rows, scale.shape[0])
+    if rows:
+        _lib().gemm_packed_i8(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
+                              bias.data_ptr() if bias is not None else None, y.data_ptr(), rows, k, scale.shape[0])
     return y

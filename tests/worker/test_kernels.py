@@ -132,6 +132,29 @@ def test_gemm_rows_do_not_depend_on_the_batch():
 
 
 @needs_c
+@pytest.mark.parametrize("out_f,in_f", [(96, 64), (45, 7), (960, 576), (33, 1536)])
+def test_int8_gemm_matches_its_dequantized_weight(out_f, in_f):
+    """Weight-only int8: per-output-channel rounding within half a step, then the product of the fp32
+    activations with exactly the dequantized weight (float64 reference), batch-invariant like the fp32 GEMM."""
+    g = torch.Generator().manual_seed(out_f + in_f)
+    w = torch.randn(out_f, in_f, generator=g) / in_f**0.5
+    w[0] = 0.0  # an all-zero channel must not divide by zero
+    b = torch.randn(out_f, generator=g)
+    packed, scale = kernels.pack_gemm_weight_int8(w)
+    assert packed.dtype == torch.int8 and scale.shape == (out_f,)
+    dequant = kernels.unpack_gemm_weight_int8(packed, scale)
+    assert torch.all((dequant - w).abs() <= scale[:, None] / 2 + 1e-7)
+    assert torch.equal(dequant[0], w[0])
+    x = torch.randn(29, in_f, generator=g)
+    full = kernels.gemm_packed_int8(x, packed, scale, b)
+    ref = torch.nn.functional.linear(x.double(), dequant.double(), b.double())
+    torch.testing.assert_close(full.double(), ref, atol=1e-5, rtol=1e-5)
+    for start, rows in [(0, 0), (0, 1), (5, 1), (3, 4), (20, 6), (8, 13)]:
+        part = kernels.gemm_packed_int8(x[start:start + rows].contiguous(), packed, scale, b)
+        assert torch.equal(part, full[start:start + rows])
+
+
+@needs_c
 def test_argmax_matches_torch_on_ties_nans_and_infinities():
     g = torch.Generator().manual_seed(1)
     for rows, cols in [(1, 49152), (6, 49152), (20, 1000), (3, 70), (2, 5)]:

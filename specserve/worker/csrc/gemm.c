@@ -11,6 +11,9 @@
  */
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #define BLOCK 32
 #define MAX_ROWS 8
@@ -69,6 +72,88 @@ void gemm_packed_f32(const float *x, const float *packed, const float *bias, flo
             case 5: block_rows(w, xm, K, ym, N, ncols, bb, 5); break;
             case 6: block_rows(w, xm, K, ym, N, ncols, bb, 6); break;
             case 7: block_rows(w, xm, K, ym, N, ncols, bb, 7); break;
+            default: break;
+        }
+    }
+}
+
+/* ---- int8 weights, fp32 activations (weight-only quantization: the draft model's linears) ----------------
+ *
+ * Same block layout with int8 weights, [ceil(N / 32)][K][32], and one fp32 scale per output column:
+ * y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] (+ bias[n]). Each k step widens 32 weights to fp32 once and
+ * every row multiplies them, so a decode step streams a quarter of the fp32 bytes; activations stay fp32,
+ * so the only error is the weights' rounding. One FMA chain per output in k order, as above. */
+typedef int8_t c16 __attribute__((vector_size(16)));
+typedef int32_t i16x32 __attribute__((vector_size(64)));
+
+/* 16 int8 -> 16 fp32. GCC turns __builtin_convertvector on int8 into lane-by-lane scalar code, so
+ * AVX-512 / AVX2 builds use the sign-extend and convert instructions directly. */
+static inline __attribute__((always_inline)) v16 widen(const int8_t *p) {
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    v16 r;
+    memcpy(&r, &f, sizeof r);
+    return r;
+#elif defined(__AVX2__)
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+    v16 r;
+    memcpy(&r, &lo, sizeof lo);
+    memcpy((float *)&r + 8, &hi, sizeof hi);
+    return r;
+#else
+    c16 q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(__builtin_convertvector(q, i16x32), v16);
+#endif
+}
+
+static inline __attribute__((always_inline)) void block_rows_i8(const int8_t *restrict w, const float *restrict x,
+                                                                int64_t K, float *restrict y, int64_t N,
+                                                                int64_t ncols, const float *restrict scale,
+                                                                const float *bias, const int rows) {
+    v16 acc[MAX_ROWS][2];
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (v16){0};
+    for (int64_t k = 0; k < K; k++) {
+        __builtin_prefetch(w + k * BLOCK + 4 * PREFETCH);
+        const v16 w0 = widen(w + k * BLOCK), w1 = widen(w + k * BLOCK + 16);
+        for (int m = 0; m < rows; m++) {
+            const float xv = x[m * K + k];
+            acc[m][0] += xv * w0;
+            acc[m][1] += xv * w1;
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        float tmp[BLOCK];
+        memcpy(tmp, &acc[m][0], sizeof acc[m][0]);
+        memcpy(tmp + 16, &acc[m][1], sizeof acc[m][1]);
+        for (int64_t j = 0; j < ncols; j++) tmp[j] = tmp[j] * scale[j] + (bias ? bias[j] : 0.0f);
+        memcpy(y + m * N, tmp, ncols * sizeof(float));
+    }
+}
+
+/* x: [M, K] fp32; packed: [ceil(N / 32)][K][32] int8; scale: [N]; bias: [N] or NULL; y: [M, N]. */
+void gemm_packed_i8(const float *x, const int8_t *packed, const float *scale, const float *bias, float *y,
+                    int64_t M, int64_t K, int64_t N) {
+    const int64_t nblocks = (N + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static) if (M * K * N >= (1 << 18))
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int8_t *w = packed + b * K * BLOCK;
+        const int64_t col = b * BLOCK, ncols = N - col < BLOCK ? N - col : BLOCK;
+        const float *bb = bias ? bias + col : NULL, *sc = scale + col;
+        int64_t m = 0;
+        for (; m + MAX_ROWS <= M; m += MAX_ROWS)
+            block_rows_i8(w, x + m * K, K, y + m * N + col, N, ncols, sc, bb, MAX_ROWS);
+        const float *xm = x + m * K;
+        float *ym = y + m * N + col;
+        switch (M - m) {
+            case 1: block_rows_i8(w, xm, K, ym, N, ncols, sc, bb, 1); break;
+            case 2: block_rows_i8(w, xm, K, ym, N, ncols, sc, bb, 2); break;
+            case 3: block_rows_i8(w, xm, K, ym, N, ncols, sc, bb, 3); break;
+            case 4: block_rows_i8(w, xm, K, ym, N, ncols, sc, bb, 4); break;
+            case 5: block_rows_i8(w, xm, K, ym, N, ncols, sc, bb, 5); break;
+            case 6: block_rows_i8(w, xm, K, ym, N, ncols, sc, bb, 6); break;
+            case 7: block_rows_i8(w, xm, K, ym, N, ncols, sc, bb, 7); break;
             default: break;
         }
     }

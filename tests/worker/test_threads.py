@@ -14,8 +14,40 @@ def test_policy_measures_both_then_prefers_the_faster_and_keeps_exploring():
     policy.record(5, 1, 0.050)
     picks = [policy.choose(5) for _ in range(3 * EXPLORE_EVERY)]
     assert picks.count(1) > picks.count(2) > 0  # mostly the faster, sometimes the other
-    assert picks[:32].count(2) == 4  # early re-measurements (steps 4, 8, 16, 32 of the bucket) fix a bad first pick
-    assert policy.choose(1) == 2 and policy.choose(500) == 2  # other buckets measure separately
+    # a clear verdict (2x) is re-checked once early (step 4 of the bucket), then from EXPLORE_EVERY on
+    assert picks[:32].count(2) == 1
+    assert policy.choose(500) == 2  # other buckets measure separately
+
+
+def test_close_verdicts_are_re_measured_early():
+    policy = ThreadPolicy(max_threads=2)
+    for threads, seconds in ((2, 9.0), (2, 0.100), (1, 0.095)):  # 1 thread barely faster: not clear
+        assert policy.choose(5) == threads
+        policy.record(5, threads, seconds)
+    picks = []
+    for _ in range(29):
+        picks.append(policy.choose(5))
+        policy.record(5, picks[-1], 0.095 if picks[-1] == 1 else 0.100)
+    assert [i + 4 for i, t in enumerate(picks) if t == 2] == [4, 8, 16, 32]
+
+
+def test_new_sizes_borrow_a_clear_verdict_of_their_kind():
+    """Once decode sizes agree that all threads are clearly faster, a new verification size does not spend
+    steps on one thread before its EXPLORE_EVERY-th; a new prefill size still measures for itself."""
+    policy = ThreadPolicy(max_threads=2)
+    for _ in range(4):
+        t = policy.choose(1)
+        policy.record(1, t, 0.020 if t == 1 else 0.015)
+    assert policy._clear_best(1) == 2
+    picks = []
+    for _ in range(EXPLORE_EVERY):
+        picks.append(policy.choose(6))
+        policy.record(6, picks[-1], 0.05)
+    assert picks[:-1] == [2] * (EXPLORE_EVERY - 1) and picks[-1] == 1  # measured at step EXPLORE_EVERY
+    picks = [policy.choose(500) for _ in range(3)]
+    assert picks == [2, 2, 2]  # nothing recorded: the prefill bucket keeps asking for its first measurement
+    policy.record(500, 2, 1.0)
+    assert policy.choose(500) == 1
 
 
 def test_run_restores_the_thread_count():

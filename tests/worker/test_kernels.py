@@ -109,7 +109,7 @@ def test_gemm_matches_float64_reference(out_f, in_f, with_bias):
     b = torch.randn(out_f, generator=g) if with_bias else None
     packed = kernels.pack_gemm_weight(w)
     assert torch.equal(kernels.unpack_gemm_weight(packed, out_f), w)
-    for rows in (0, 1, 3, 8, 13, 70):
+    for rows in (0, 1, 3, 8, 9, 12, 13, 70):  # every chunking case: below, at and past 12 rows
         x = torch.randn(rows, in_f, generator=g)
         ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
         y = kernels.gemm_packed(x, packed, b, out_f)

@@ -400,6 +400,17 @@ class FastLinear(torch.nn.Module):
         w, _ = torch.ops.quantized.linear_unpack(self._w_int8)
         return w.dequantize()
 
+    def c_operands(self) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]] | None:
+        """(packed weight, int8 scales or None, bias or None) when every call takes a C GEMM, else None:
+        what a fused C caller (kernels.decoder_forward) passes for this layer."""
+        if self._numpy_max_rows:
+            return None
+        if self._slow == "c":
+            return self._w_blocks, None, self.bias
+        if self._slow == "c_int8":
+            return self._w_blocks_int8[0], self._w_blocks_int8[1], self.bias
+        return None
+
     def path_for_rows(self, rows: int) -> str:
         """Which kernel a call with ``rows`` rows uses ("c", "numpy", "onednn", "torch", "bf16", "c_int8",
         "int8")."""

@@ -184,6 +184,10 @@ class LlamaForCausalLM:
         self.rotary = self._make_rotary(cfg, dtype)
         # Layers whose outputs EAGLE-3 reads; empty means no aux hidden states.
         self.aux_hidden_layers = tuple(aux_hidden_layers)
+        # The whole stack in one C call (worker/csrc/decoder.c) when every layer runs on C kernels and no
+        # layer output is read on the way (aux hidden states); tests turn it off to compare the two.
+        self.fused_forward = self._fused_operands() is not None and not self.aux_hidden_layers
+        self._fused_layers: dict[tuple, object] = {}
 
     def _make_rotary(self, cfg: DecoderConfig, dtype: torch.dtype) -> RotaryEmbedding:
         return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
@@ -200,6 +204,8 @@ class LlamaForCausalLM:
         """input_ids: [N]; positions: [N] (or [3, N] for M-RoPE); returns (hidden [N, hidden], aux or None)."""
         x = self.embed_tokens[input_ids]
         cos, sin = self.rotary.cos_sin(positions)
+        if self.fused_forward and meta.kernel is not None:  # the kernel then serves every request
+            return self._forward_fused(x, cos, sin, meta, kv_caches), None
         residual = None
         aux = [] if self.aux_hidden_layers else None
         for i, layer in enumerate(self.layers):
@@ -209,6 +215,42 @@ class LlamaForCausalLM:
         if self.c_ops:
             return kernels.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps), aux
         return rms_norm(x + residual, self.norm, self.config.rms_norm_eps), aux
+
+    def _fused_operands(self) -> list[tuple] | None:
+        """Per layer the C operands of (qkv, o_proj, gate_up, down), or None when a layer cannot run fused
+        (no C kernels, weights off the C GEMM, or q/k norms, which the fused stack does not apply)."""
+        if not self.c_ops:
+            return None
+        operands = []
+        for layer in self.layers:
+            linears = [getattr(lin, "c_operands", lambda: None)()
+                       for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            if layer.q_norm is not None or any(op is None for op in linears):
+                return None
+            operands.append(linears)
+        return operands
+
+    def _layers_c(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """The ctypes layer array for these caches, built once per cache list."""
+        key = (id(kv_caches), kv_caches[0][0].data_ptr() if kv_caches else 0)
+        layers = self._fused_layers.get(key)
+        if layers is None:
+            layers = (kernels.DecoderLayerC * len(self.layers))()
+            for i, (layer, ops, (k_cache, v_cache)) in enumerate(zip(self.layers, self._fused_operands(), kv_caches)):
+                layers[i] = kernels.DecoderLayerC(*map(kernels.linear_c, ops), layer.input_norm.data_ptr(),
+                                                  layer.post_norm.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+            self._fused_layers = {key: layers}  # the model's tensors outlive it; one cache list at a time
+        return layers
+
+    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        cfg, n = self.config, x.shape[0]
+        dims = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                cfg.intermediate_size)
+        return kernels.decoder_forward(self._layers_c(kv_caches), x.contiguous(), self.norm,
+                                       cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous(),
+                                       meta.slot_mapping, meta.kernel, dims, kv_caches[0][0].shape[1],
+                                       cfg.rms_norm_eps, self.layers[0].scale if self.layers else 1.0)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [M, hidden] → logits [M, vocab] (float32)."""

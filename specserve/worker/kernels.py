@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "SPECSERVE_KERNELS"
 BACKENDS = ("auto", "c", "torch")
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "layer_ops.c", "gemm.c")]
-HEADERS = [Path(__file__).parent / "csrc" / "specserve_math.h"]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "decoder.c")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("specserve_math.h", "specserve_kernels.h")]
 # -fno-trapping-math lets GCC vectorize floorf (no FP exceptions are relied on anywhere).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -120,6 +121,8 @@ def _bind(lib):
         "gemm_packed_f32": ([ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "gemm_packed_i8": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "argmax_rows_f32": ([ptr, i64, i64, ptr], None),
+        "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
+                                 i64, i64, i64, i64, f32, f32], ctypes.c_int),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
@@ -252,3 +255,49 @@ def gemm_packed_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         _lib().gemm_packed_i8(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
                               bias.data_ptr() if bias is not None else None, y.data_ptr(), rows, k, scale.shape[0])
     return y
+
+
+class LinearC(ctypes.Structure):
+    """csrc/decoder.c's linear_t: packed weight, int8 scales (NULL: fp32 weight), bias (NULL: none)."""
+    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class DecoderLayerC(ctypes.Structure):
+    """csrc/decoder.c's layer_t."""
+    _fields_ = [("qkv", LinearC), ("o_proj", LinearC), ("gate_up", LinearC), ("down", LinearC),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+def _ptr(t: torch.Tensor | None):
+    return t.data_ptr() if t is not None else None
+
+
+def linear_c(operands: tuple) -> LinearC:
+    """A LinearC from FastLinear.c_operands(): (packed weight, scales or None, bias or None)."""
+    weight, scale, bias = operands
+    return LinearC(weight.data_ptr(), _ptr(scale), _ptr(bias))
+
+
+def decoder_forward(layers, x: torch.Tensor, final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    slot_mapping: torch.Tensor, batch, dims: tuple[int, int, int, int, int], block_size: int,
+                    eps: float, scale: float) -> torch.Tensor:
+    """Run every layer and the final norm in one C call (csrc/decoder.c); returns [N, hidden].
+
+    layers: a ctypes array of DecoderLayerC whose tensors the caller keeps alive; x: [N, hidden] embeddings,
+    overwritten (the residual stream); cos, sin: [N, head_dim]; slot_mapping: [N] int64; batch: the
+    attention metadata's KernelBatch; dims: (hidden, heads, kv heads, head_dim, intermediate).
+    """
+    _check(x=x, final_norm=final_norm, cos=cos, sin=sin)
+    _check(torch.int64, slot_mapping=slot_mapping)
+    hidden, num_heads, num_kv_heads, head_dim, inter = dims
+    out = torch.empty_like(x)
+    failed = _lib().decoder_forward_f32(
+        layers, len(layers), x.data_ptr(), out.data_ptr(), final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        slot_mapping.data_ptr(), batch.block_table.data_ptr(), batch.block_table.shape[1],
+        batch.query_start.data_ptr(), batch.query_len.data_ptr(), batch.context_len.data_ptr(),
+        len(batch.query_start), x.shape[0], hidden, num_heads, num_kv_heads, head_dim, inter, block_size,
+        float(eps), float(scale))
+    if failed:
+        raise MemoryError("decoder kernel: out of memory for its buffers")
+    return out

@@ -1,0 +1,22 @@
+/* The functions each kernel file exports, for the ones that call each other (decoder.c). */
+#ifndef SPECSERVE_KERNELS_H
+#define SPECSERVE_KERNELS_H
+
+#include <stdint.h>
+
+void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+                      int64_t dim, float eps);
+void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter);
+void rope_qk_f32(float *qkv, const float *cos, const float *sin, int64_t rows, int64_t row_stride,
+                 int64_t num_heads, int64_t head_dim);
+void gemm_packed_f32(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t K,
+                     int64_t N);
+void gemm_packed_i8(const float *x, const int8_t *packed, const float *scale, const float *bias, float *y,
+                    int64_t M, int64_t K, int64_t N);
+int paged_attention_f32(const float *q, float *out, const float *k_cache, const float *v_cache,
+                        const int64_t *block_table, int64_t table_width, const int64_t *query_start,
+                        const int64_t *query_len, const int64_t *context_len, int64_t num_seqs,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                        float scale);
+
+#endif

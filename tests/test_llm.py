@@ -46,6 +46,23 @@ def test_greedy_matches_transformers_on_the_same_gguf(llm, default_gguf_path):
     assert "Paris" in outs[0].outputs[0].text
 
 
+def test_greedy_steps_screen_the_lm_head_and_keep_the_full_logits_tokens(llm):
+    """Greedy decoding and greedy verification take the LM head's exact argmax (an int8 screen, then the
+    survivors in fp32) instead of the full logits: the tokens are the full logits' argmax, every one."""
+    from specserve.worker.kernels import kernel_enabled
+
+    model = llm.llm_engine.runner.model
+    assert model.exact_argmax == kernel_enabled()
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    screened = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    model.exact_argmax = False
+    try:
+        full = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        model.exact_argmax = kernel_enabled()
+    assert screened == full
+
+
 def test_batch_with_chunked_prefill_and_preemption_matches_each_prompt_alone(default_gguf_path):
     # 16 blocks of 16 tokens for 16 requests, budget 32 tokens: prefills chunk and requests get preempted.
     small = LLM(max_model_len=256, max_num_batched_tokens=32, num_kv_blocks=24, block_size=16)

@@ -328,6 +328,7 @@ class FastLinear(torch.nn.Module):
         self._w_packed_bf16 = None  # oneDNN-packed bf16 weight
         self._w_int8 = None  # fbgemm packed params
         self._w_blocks_int8 = None  # (int8 blocks [ceil(out / 32), in, 32], fp32 scales [out]) for the C GEMM
+        self._screen = None  # int8 copy of the fp32 C-GEMM weight for an exact argmax (enable_exact_argmax)
         self._numpy_max_rows = 0  # rows <= this go to numpy
         self._slow = "torch"  # path for rows above _numpy_max_rows
 
@@ -399,6 +400,23 @@ class FastLinear(torch.nn.Module):
             return kernels.unpack_gemm_weight_int8(*self._w_blocks_int8)
         w, _ = torch.ops.quantized.linear_unpack(self._w_int8)
         return w.dequantize()
+
+    def enable_exact_argmax(self) -> bool:
+        """Keep an int8 copy of an fp32 C-GEMM weight without bias so that `argmax` can screen with it;
+        False (and nothing kept) on any other path."""
+        if self._slow != "c" or self._numpy_max_rows or self.bias is not None:
+            return False
+        if self._screen is None:
+            self._screen = kernels.pack_gemm_weight_int8(self.dense_weight())
+        return True
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] -> [M] int64, exactly ``self(x).argmax(-1)`` (see kernels.lm_head_argmax); after
+        ``enable_exact_argmax``, a quarter of the weight bytes for a greedy step's LM head."""
+        x = x.reshape(-1, self.in_features).contiguous()
+        if self._screen is None:
+            return kernels.argmax_rows(self(x))
+        return kernels.lm_head_argmax(x, self._w_blocks, *self._screen)
 
     def c_operands(self) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]] | None:
         """(packed weight, int8 scales or None, bias or None) when every call takes a C GEMM, else None:

@@ -181,6 +181,9 @@ class LlamaForCausalLM:
         self.norm = weights["model.norm.weight"]
         lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights.get("lm_head.weight", self.embed_tokens)
         self.lm_head = make_linear(lm_head, None, weight_dtype)
+        # Greedy steps need only the argmax: screened through an int8 copy of the head (+28 MB for
+        # SmolLM2), exact (see greedy_tokens); False where the head is not on the fp32 C GEMM.
+        self.exact_argmax = getattr(self.lm_head, "enable_exact_argmax", lambda: False)()
         self.rotary = self._make_rotary(cfg, dtype)
         # Layers whose outputs EAGLE-3 reads; empty means no aux hidden states.
         self.aux_hidden_layers = tuple(aux_hidden_layers)
@@ -255,3 +258,11 @@ class LlamaForCausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [M, hidden] → logits [M, vocab] (float32)."""
         return self.lm_head(hidden).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [M, hidden] → [M] int64, exactly argmax(compute_logits(hidden)) row by row (the first
+        maximum), without the full logits where the head screens through its int8 copy: 0.57 vs 2.2 ms
+        for SmolLM2's head at one row, 1.3 vs 2.3 ms at nine."""
+        if self.exact_argmax:
+            return self.lm_head.argmax(hidden)
+        return kernels.argmax_rows(self.compute_logits(hidden))

@@ -94,6 +94,13 @@ class SamplingMetadata:
             eos_token_ids=list(eos_token_ids),
         )
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row's token is the argmax of its raw logits: all greedy, nothing that edits the logits
+        (penalties, min_tokens), no logprobs; the runner can then skip computing the full logits."""
+        return (self.all_greedy and self.no_penalties and self.min_tokens_rows is None
+                and self.max_num_logprobs is None)
+
     def expand_for_verification(self, draft_token_ids: list[list[int]]) -> SamplingMetadata:
         """Repeat request i's row len(drafts[i]) + 1 times; its row j sees output + drafts[:j].
 

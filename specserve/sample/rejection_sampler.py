@@ -69,8 +69,8 @@ class RejectionSampler:
         """logits: [T_d + B, V] raw target logits, row r at spec.logits_indices[r]; meta: one row per
         request (not expanded); draft_probs: per request [n_i, V] or None (q one-hot at the draft)."""
         _check_inputs(spec, logits, meta, draft_probs)
-        if meta.all_greedy and meta.no_penalties and meta.min_tokens_rows is None and meta.max_num_logprobs is None:
-            return _verify_argmax(spec, logits)
+        if meta.argmax_only:
+            return verify_argmax_targets(spec, argmax_rows(logits))
         layout = _Layout.of(spec)
         if not _is_request_major(spec, layout):
             logits = logits[_request_major_order(spec, layout)]
@@ -92,11 +92,12 @@ class RejectionSampler:
         return RejectionOutput(token_ids=token_ids, logprobs=logprobs, num_accepted=accepted)
 
 
-def _verify_argmax(spec: SpecDecodeMetadata, logits: torch.Tensor) -> RejectionOutput:
-    """All rows greedy and nothing that depends on earlier tokens (penalties, min_tokens) or asks for
-    logprobs: the raw argmax is the target token of every row, so verification is one argmax and a scan
-    of the drafts, without expanding the sampling metadata per position (the general path's ~0.4 ms)."""
-    target = argmax_rows(logits).tolist()  # [T_d + B]
+def verify_argmax_targets(spec: SpecDecodeMetadata, targets: torch.Tensor) -> RejectionOutput:
+    """Verification when every row's target token is the argmax of its raw logits (SamplingMetadata's
+    `argmax_only`: greedy, no penalties or min_tokens, no logprobs). targets: [T_d + B] int64, the argmax
+    of each logits row. One scan of the drafts, without expanding the sampling metadata per position
+    (the general path's ~0.4 ms) or needing the logits themselves."""
+    target = targets.tolist()  # [T_d + B]
     drafts = spec.draft_token_ids.tolist()
     draft_rows, bonus_rows = spec.target_logits_indices.tolist(), spec.bonus_logits_indices.tolist()
     token_ids, accepted, start = [], [], 0

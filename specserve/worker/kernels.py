@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "SPECSERVE_KERNELS"
 BACKENDS = ("auto", "c", "torch")
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "decoder.c")]
+           for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "decoder.c", "greedy.c")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("specserve_math.h", "specserve_kernels.h")]
 # -fno-trapping-math lets GCC vectorize floorf (no FP exceptions are relied on anywhere).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -121,6 +121,7 @@ def _bind(lib):
         "gemm_packed_f32": ([ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "gemm_packed_i8": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "argmax_rows_f32": ([ptr, i64, i64, ptr], None),
+        "lm_head_argmax_f32": ([ptr, ptr, ptr, ptr, i64, i64, i64, ptr], ctypes.c_int),
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
                                  i64, i64, i64, i64, f32, f32], ctypes.c_int),
     }
@@ -255,6 +256,19 @@ def gemm_packed_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         _lib().gemm_packed_i8(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
                               bias.data_ptr() if bias is not None else None, y.data_ptr(), rows, k, scale.shape[0])
     return y
+
+
+def lm_head_argmax(x: torch.Tensor, packed: torch.Tensor, packed_i8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> [M] int64: torch.argmax of gemm_packed(x, packed, None, N) per row, exactly, screened
+    through the int8 copy (packed_i8, scale) of the same weight (csrc/greedy.c)."""
+    _check(x=x, packed=packed, scale=scale)
+    _check(torch.int8, packed_i8=packed_i8)
+    rows, k = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows and _lib().lm_head_argmax_f32(x.data_ptr(), packed.data_ptr(), packed_i8.data_ptr(), scale.data_ptr(),
+                                         rows, k, scale.shape[0], out.data_ptr()):
+        raise MemoryError("lm_head_argmax: out of memory for its work buffer")
+    return out
 
 
 class LinearC(ctypes.Structure):

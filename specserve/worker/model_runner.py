@@ -12,7 +12,7 @@ import torch
 
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.sample.metadata import SamplingMetadata
-from specserve.sample.rejection_sampler import RejectionSampler
+from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_targets
 from specserve.sample.sampler import Sampler
 from specserve.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
 from specserve.spec_decode.policy import DraftLengthPolicy
@@ -105,8 +105,7 @@ class ModelRunner:
         start = time.perf_counter()
         with self.thread_policy.run(len(batch.input_ids)):
             hidden, aux = self.model.forward(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-            sampled, logprobs = self.sample_or_verify(logits, batch)
+            sampled, logprobs = self.sample_or_verify(hidden[batch.logits_indices], batch)
             if self.proposer is not None and self._is_decode_step(batch):  # the measured cost of drafting
                 self.draft_policy.observe_step(len(batch.req_ids), len(batch.input_ids), time.perf_counter() - start)
             drafts = self.propose_draft_token_ids(batch, sampled, hidden, aux)
@@ -205,27 +204,35 @@ class ModelRunner:
             vocab_size=self.vocab_size,
         )
 
-    def sample_or_verify(self, logits: torch.Tensor, batch: InputBatch):
-        """logits: [M, vocab]; returns ({req_id: new tokens}, {req_id: one logprob entry per new token})."""
+    def sample_or_verify(self, hidden: torch.Tensor, batch: InputBatch):
+        """hidden: [M, hidden] final states at the logits indices; returns ({req_id: new tokens},
+        {req_id: one logprob entry per new token})."""
         sampled: dict[str, list[int]] = {rid: [] for rid in batch.req_ids}
         if not batch.sample_req_ids:
             return sampled, {}
         meta = self._sampling_metadata(batch.sample_req_ids)
-        if batch.spec_decode_metadata is None:
-            out = self.sampler(logits, meta)
-            tokens = [[t] for t in out.sampled_token_ids.tolist()]
+        spec, lp = batch.spec_decode_metadata, None
+        if meta.argmax_only:  # greedy without penalties or logprobs: the argmax alone, not the logits
+            targets = self.model.greedy_tokens(hidden)  # [M]
+            tokens = ([[t] for t in targets.tolist()] if spec is None
+                      else verify_argmax_targets(spec, targets).token_ids)
+        elif spec is None:
+            out = self.sampler(self.model.compute_logits(hidden), meta)
+            tokens, lp = [[t] for t in out.sampled_token_ids.tolist()], out.logprobs
         else:
             probs = [self.draft_probs.pop(rid, None) for rid in batch.sample_req_ids]
             probs = [p[: len(d)] if p is not None else None for p, d in zip(probs, batch.draft_token_ids)]
-            out = self.rejection_sampler(batch.spec_decode_metadata, logits, meta,
+            out = self.rejection_sampler(spec, self.model.compute_logits(hidden), meta,
                                          probs if any(p is not None for p in probs) else None)
-            tokens = out.token_ids
+            tokens, lp = out.token_ids, out.logprobs
+        if spec is not None:
             for rid, drafts, toks in zip(batch.sample_req_ids, batch.draft_token_ids, tokens):
+                self.draft_probs.pop(rid, None)
                 self.draft_policy.record(rid, len(drafts), len(toks) - 1)
         for rid, toks in zip(batch.sample_req_ids, tokens):
             sampled[rid] = toks
             self.requests[rid].append(toks)
-        logprobs = self._logprob_entries(batch.sample_req_ids, tokens, out.logprobs) if out.logprobs else {}
+        logprobs = self._logprob_entries(batch.sample_req_ids, tokens, lp) if lp else {}
         return sampled, logprobs
 
     def _logprob_entries(self, req_ids: list[str], tokens: list[list[int]], lp) -> dict[str, list[dict]]:

@@ -261,6 +261,17 @@ def test_int8_opt_in_is_close(monkeypatch, kernels_env):
     assert float((lin.dense_weight() - w).abs().max() / w.abs().max()) < 1e-2
 
 
+def test_exact_argmax_only_on_the_fp32_c_path(monkeypatch):
+    w, b = _weights(out_f=300, in_f=64)
+    with torch.inference_mode():
+        x = torch.randn(5, 64)
+        for lin, enabled in ((FastLinear(w), kernels.kernel_enabled()), (FastLinear(w, b), False),
+                             (FastLinear(w, weight_dtype="int8"), False), (FastLinear(w, backend="torch"), False)):
+            assert lin.enable_exact_argmax() == enabled
+            assert torch.equal(lin.argmax(x), lin(x).argmax(dim=-1))  # screened or not, the same answer
+            assert (lin._screen is not None) == enabled
+
+
 def test_default_is_exact_fp32():
     # no silent low precision: default construction never uses bf16/int8
     w, b = _weights()

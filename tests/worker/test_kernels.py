@@ -154,6 +154,65 @@ def test_int8_gemm_matches_its_dequantized_weight(out_f, in_f):
         assert torch.equal(part, full[start:start + rows])
 
 
+def _lm_head_case(seed: int, n: int = 3000, k: int = 96):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[7] = w[1900]  # an exact tie between two columns: the first must win
+    w[2500] = w[400]
+    w[2500, 5] = torch.nextafter(w[400, 5], torch.tensor(1.0))  # a one-ulp near-tie
+    return g, w, kernels.pack_gemm_weight(w), *kernels.pack_gemm_weight_int8(w)
+
+
+@needs_c
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lm_head_argmax_is_the_argmax_of_the_fp32_logits(seed):
+    """The int8-screened argmax is exactly torch.argmax of gemm_packed's logits: ties go to the first
+    column, one-ulp differences are resolved as the fp32 GEMM resolves them, any row count."""
+    g, w, packed, packed_i8, scale = _lm_head_case(seed)
+    x = torch.randn(40, w.shape[1], generator=g) * torch.rand(40, 1, generator=g) * 4
+    x[3] = w[1900] * 50  # aligned with the tied columns: they are the maximum
+    x[4] = w[400] * 50
+    x[5] = 0.0  # every logit 0: the first column
+    for rows in (0, 1, 3, 9, 13, 40):
+        xr = x[:rows].contiguous()
+        expected = kernels.gemm_packed(xr, packed, None, w.shape[0]).argmax(dim=-1)
+        assert torch.equal(kernels.lm_head_argmax(xr, packed, packed_i8, scale), expected)
+    assert kernels.lm_head_argmax(x[3:5].contiguous(), packed, packed_i8, scale).tolist()[0] == 7
+
+
+@needs_c
+def test_lm_head_argmax_settles_near_ties_with_the_gemm_rounding():
+    """200 columns whose logits agree to within rounding: which one wins depends on how each sum is
+    rounded, so the survivors must be recomputed exactly as the fp32 GEMM computes them."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(3000, 96, generator=g) * 0.02
+    base = torch.randn(96, generator=g) * 0.05
+    w[1000:1200] = base + torch.randn(200, 96, generator=g) * 1e-8
+    packed, packed_i8, scale = kernels.pack_gemm_weight(w), *kernels.pack_gemm_weight_int8(w)
+    x = (base * 40 + torch.randn(16, 96, generator=g)).contiguous()
+    logits = kernels.gemm_packed(x, packed, None, 3000)
+    expected = logits.argmax(dim=-1)
+    assert ((expected >= 1000) & (expected < 1200)).all()
+    assert not torch.equal(expected, (x.double() @ w.double().T).argmax(dim=-1))  # rounding decides
+    assert torch.equal(kernels.lm_head_argmax(x, packed, packed_i8, scale), expected)
+
+
+@needs_c
+def test_lm_head_argmax_falls_back_to_the_full_row():
+    """Non-finite inputs and rows where the screen cannot narrow the field (huge inputs, many nearly
+    equal logits) take the full fp32 row, with torch.argmax's answer (the first NaN included)."""
+    g, w, packed, packed_i8, scale = _lm_head_case(2)
+    flat = torch.ones(3000, 96) * 0.01 + torch.randn(3000, 96, generator=g) * 1e-6  # ~3000 near-ties
+    flat_packed, flat_i8, flat_scale = kernels.pack_gemm_weight(flat), *kernels.pack_gemm_weight_int8(flat)
+    x = torch.randn(4, 96, generator=g)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    x[3] *= 1e30
+    for wt, p, p8, sc in ((w, packed, packed_i8, scale), (flat, flat_packed, flat_i8, flat_scale)):
+        expected = kernels.gemm_packed(x, p, None, wt.shape[0]).argmax(dim=-1)
+        assert torch.equal(kernels.lm_head_argmax(x, p, p8, sc), expected)
+
+
 @needs_c
 def test_argmax_matches_torch_on_ties_nans_and_infinities():
     g = torch.Generator().manual_seed(1)

@@ -19,13 +19,14 @@ from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_probs, random_sample
 from specserve.spec_decode.proposer import DraftInputs, Drafts
 from specserve.worker.attention import build_attention_metadata
-from specserve.worker.kernels import kernel_usable
+from specserve.worker.kernels import argmax_rows, copy_rows, kernel_usable, pointer_array
 
 
 @dataclass
 class _DraftRequest:
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # history tokens whose KV the drafter holds
+    num_copied: int = 0  # self-draft: history tokens whose KV is the target's (the rest the drafter's own)
 
 
 class DraftModelProposer:
@@ -46,6 +47,10 @@ class DraftModelProposer:
         self.attention_kernel = kernel_usable(self.model.dtype)
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.requests: dict[str, _DraftRequest] = {}
+        # A self-draft (the target's own weights, perhaps quantized) takes the target's verified KV for the
+        # history instead of recomputing it: no prefill of its own, and one token per catch-up.
+        self.copies_target_kv = _is_self_draft(self.model, target_model) and kernel_usable(self.model.dtype)
+        self._copy_pointers: tuple | None = None  # (id of the target's cache list, dst, src pointer arrays)
 
     @torch.inference_mode()
     def propose(self, inputs: DraftInputs) -> Drafts:
@@ -108,7 +113,11 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden[last])
 
     def _catch_up(self, inputs: DraftInputs, rows: list[int]) -> torch.Tensor:
-        """Feed each request the history tokens the drafter has not seen; [len(rows), vocab] logits."""
+        """Feed each request the history tokens the drafter has not seen; [len(rows), vocab] logits.
+
+        A self-draft first copies the target's KV of those tokens but the last, then feeds just that one."""
+        if self.copies_target_kv and inputs.target_kv_caches is not None:
+            self._copy_target_kv(inputs, rows)
         ids, positions, qlens, clens, tables = [], [], [], [], []
         for i in rows:
             state = self.requests[inputs.req_ids[i]]
@@ -121,6 +130,27 @@ class DraftModelProposer:
             tables.append(state.block_ids)
             state.num_computed = len(history)
         return self._forward(ids, positions, qlens, clens, tables)
+
+    def _copy_target_kv(self, inputs: DraftInputs, rows: list[int]) -> None:
+        """KV of positions [num_copied, len(history) - 1) from the target's cache into the drafter's."""
+        bs, src, dst = self.block_size, [], []
+        for i in rows:
+            state = self.requests[inputs.req_ids[i]]
+            target_table, table = inputs.block_ids[i], state.block_ids
+            verified = len(inputs.token_ids[i]) - 1  # the newest token has no KV in the target yet
+            positions = range(state.num_copied, verified)
+            src.extend(target_table[p // bs] * bs + p % bs for p in positions)
+            dst.extend(table[p // bs] * bs + p % bs for p in positions)
+            state.num_copied = verified  # also replaces what the drafter computed itself for these
+            state.num_computed = max(state.num_computed, verified)
+        if not src:
+            return
+        caches = inputs.target_kv_caches
+        if self._copy_pointers is None or self._copy_pointers[0] != id(caches):
+            flat = lambda pairs: [t for pair in pairs for t in pair]  # noqa: E731
+            self._copy_pointers = (id(caches), pointer_array(flat(self.kv_caches)), pointer_array(flat(caches)))
+        row_floats = self.kv_caches[0][0].shape[2] * self.kv_caches[0][0].shape[3]
+        copy_rows(self._copy_pointers[1], self._copy_pointers[2], torch.tensor(dst), torch.tensor(src), row_floats)
 
     def _advance(self, inputs: DraftInputs, rows: list[int], last_tokens: list[int], step: int) -> torch.Tensor:
         """One token per request: the draft just proposed, at position len(history) + step."""
@@ -143,6 +173,14 @@ class DraftModelProposer:
     def _draw(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[list[int], torch.Tensor | None]:
         """Greedy rows: argmax; sampling rows: a sample from the drafter's shaped distribution q."""
         if meta.all_greedy:
-            return logits.argmax(dim=-1).tolist(), None
+            return argmax_rows(logits).tolist(), None
         probs = compute_probs(logits, meta)  # [rows, vocab]; greedy rows are one-hot
         return random_sample(probs, meta.generators).tolist(), probs
+
+
+def _is_self_draft(draft, target) -> bool:
+    """Whether the drafter runs the target's own weights (perhaps quantized): the same layer shapes and
+    the same embeddings. Only the draft's quality depends on it; verification keeps the output exact."""
+    same_shapes = (draft.num_layers == target.num_layers and draft.kv_cache_shape(1, 16) == target.kv_cache_shape(1, 16)
+                   and draft.dtype == target.dtype == torch.float32)
+    return same_shapes and torch.equal(draft.embed_tokens, target.embed_tokens)

@@ -32,6 +32,11 @@ class DraftInputs:
     generators: list[torch.Generator | None]  # [B] seeded requests' generators
     max_model_len: int
     finished_req_ids: set[str] = field(default_factory=set)  # forget their drafter state
+    # Where the target's KV lives: per layer (k, v) [num_blocks, block_size, Hkv, D], and each request's
+    # blocks; positions < len(token_ids[i]) - 1 hold verified KV. A drafter running the target's own
+    # weights copies it instead of recomputing it.
+    target_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    block_ids: list[list[int]] = field(default_factory=list)  # [B]
 
 
 @dataclass

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "SPECSERVE_KERNELS"
 BACKENDS = ("auto", "c", "torch")
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "decoder.c", "greedy.c")]
+           for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "decoder.c", "greedy.c", "kv_copy.c")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("specserve_math.h", "specserve_kernels.h")]
 # -fno-trapping-math lets GCC vectorize floorf (no FP exceptions are relied on anywhere).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -121,6 +121,7 @@ def _bind(lib):
         "gemm_packed_f32": ([ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "gemm_packed_i8": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "argmax_rows_f32": ([ptr, i64, i64, ptr], None),
+        "copy_rows_f32": ([ptr, ptr, i64, ptr, ptr, i64, i64], None),
         "lm_head_argmax_f32": ([ptr, ptr, ptr, ptr, i64, i64, i64, ptr], ctypes.c_int),
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
                                  i64, i64, i64, i64, f32, f32], ctypes.c_int),
@@ -315,3 +316,17 @@ def decoder_forward(layers, x: torch.Tensor, final_norm: torch.Tensor, cos: torc
     if failed:
         raise MemoryError("decoder kernel: out of memory for its buffers")
     return out
+
+
+def pointer_array(tensors: list[torch.Tensor]):
+    """A ctypes array of the tensors' data pointers (the caller keeps the tensors alive)."""
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+def copy_rows(dst, src, dst_rows: torch.Tensor, src_rows: torch.Tensor, row_floats: int) -> None:
+    """dst[t] row dst_rows[i] = src[t] row src_rows[i] for every tensor t (pointer_array's of equally
+    many contiguous fp32 tensors viewed as rows of row_floats floats); rows: [n] int64."""
+    _check(torch.int64, dst_rows=dst_rows, src_rows=src_rows)
+    if len(dst) != len(src) or dst_rows.shape != src_rows.shape:
+        raise ValueError("copy_rows: as many source tensors and rows as destinations")
+    _lib().copy_rows_f32(dst, src, len(dst), dst_rows.data_ptr(), src_rows.data_ptr(), dst_rows.shape[0], row_floats)

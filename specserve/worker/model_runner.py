@@ -308,4 +308,6 @@ class ModelRunner:
             generators=[s.generator for s in states],
             max_model_len=self.max_model_len,
             finished_req_ids=finished,
+            target_kv_caches=self.kv_caches,
+            block_ids=[s.block_ids for s in states],
         )

@@ -1,5 +1,6 @@
 """Draft-model configuration errors are caught at start, with a message saying what is wrong."""
 import pytest
+import torch
 
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
@@ -35,3 +36,46 @@ def test_drafting_time_is_measured_on_decode_steps_only(default_gguf_path):
     assert out.metrics.num_drafts > 1 and calls[0] == 59  # the first call came with the whole prompt
     # every drafting call but the one right after the prefill, each with the 2 drafts it made
     assert len(seen) == len(calls) - 1 and set(seen) == {2}
+
+
+def test_a_self_draft_takes_the_targets_kv_instead_of_recomputing_it(default_gguf_path):
+    """The target's own weights in int8: the drafter copies the target's verified KV of the history and
+    feeds only the newest token, so it never prefills the prompt itself; its KV rows for the history are
+    then the target's, bit for bit, and greedy output stays plain decoding's."""
+    from specserve.worker.kernels import kernel_enabled
+
+    spec = {"method": "draft_model", "model": default_gguf_path, "quantization": "int8",
+            "num_speculative_tokens": 3, "adaptive_draft_length": False}
+    llm = LLM(max_model_len=512, block_size=16, speculative_config=spec)
+    drafter, runner = llm.llm_engine.runner.proposer, llm.llm_engine.runner
+    assert drafter.copies_target_kv == kernel_enabled()
+    if not drafter.copies_target_kv:
+        pytest.skip("KV copies need the C kernels")
+    fed = []
+    forward = drafter.model.forward
+    drafter.model.forward = lambda ids, *a: (fed.append(len(ids)), forward(ids, *a))[1]
+    prompt = {"prompt_token_ids": list(range(100, 180))}
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    captured = {}
+    finish = runner._update_states
+
+    def keep_tables(sched):  # the request's blocks, read before the runner forgets a finished request
+        for rid, state in runner.requests.items():
+            captured[rid] = (list(state.block_ids), len(state.token_ids))
+        finish(sched)
+
+    runner._update_states = keep_tables
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert max(fed) == 1  # one token per forward: the prompt was never fed to the drafter
+    plain = LLM(max_model_len=512, block_size=16)
+    assert out.outputs[0].token_ids == plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    (rid, (target_table, _)), = captured.items()
+    state = drafter.requests.get(rid)
+    assert state is not None  # finished requests are forgotten at the next drafting call
+    bs = 16
+    for p in range(0, state.num_computed - 1, 7):
+        t_slot = target_table[p // bs] * bs + p % bs
+        d_slot = state.block_ids[p // bs] * bs + p % bs
+        for (tk, tv), (dk, dv) in zip(runner.kv_caches, drafter.kv_caches):
+            assert torch.equal(tk.view(-1, *tk.shape[2:])[t_slot], dk.view(-1, *dk.shape[2:])[d_slot])
+            assert torch.equal(tv.view(-1, *tv.shape[2:])[t_slot], dv.view(-1, *dv.shape[2:])[d_slot])

@@ -19,8 +19,8 @@ from specserve.models.loader import default_model_path
 DEFAULT_OUTPUT = "bench_results/latency.json"
 DEFAULT_METHODS = "ngram,suffix,draft_model"
 # num_speculative_tokens per method when --num-speculative-tokens is not given; the adaptive policy drafts
-# fewer when they do not pay. Here a step over 1 + k tokens costs ~1 + 0.02k one-token steps at ~1k tokens
-# of context, and an int8 self-draft ~0.45 of a step per draft token. ngram's k is 8: replaying plain
+# fewer when they do not pay. Here a step over 1 + k tokens costs ~1 + 0.02-0.03k one-token steps at ~1k
+# tokens of context, and an int8 self-draft ~0.5 of a step per draft token. ngram's k is 8: replaying plain
 # decoding's outputs (benchmarks/spec_replay.py) at 2% per draft, k=8 matches k=5 everywhere but
 # extraction, where long copies make it better (3.32 vs 3.01 tokens per unit of cost).
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 5, "draft_model": 4}

@@ -33,14 +33,14 @@ DEFAULT_COST_PER_DRAFT = 0.035
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 2.0  # optimistic start: new requests draft
 DECAY = 0.8  # weight of the history at each verification: adapts within a few steps
 # A new request starts from the engine's own recent acceptance when that is higher than the prior: a
-# drafter that proved good (the int8 self-draft accepts ~80% of its drafts here) is not priced out of
+# drafter that proved good (the int8 self-draft accepts ~95% of its drafts here) is not priced out of
 # every new request by the generic prior. Seeded requests keep the fixed prior (no dependence on others).
 ENGINE_DECAY = 0.98  # weight of the history per verification in the engine-wide rate: ~50 verifications
 PROBE_EVERY = 8  # steps without drafting before one probing draft, when a draft is cheap
 # A probe's extra cost (cost(1) - 1; for a draft model also its catch-up on the tokens since its last
 # call) is spread over the idle steps before it: a drafter whose draft costs c steps probes at most every
 # c / PROBE_BUDGET idle steps, so probing costs a request that stopped drafting ~1% (prompt lookup, c ~0.02,
-# keeps PROBE_EVERY; an int8 self-draft at c ~0.45 probes every ~45 steps instead of every 8).
+# keeps PROBE_EVERY; an int8 self-draft at c ~0.5 probes every ~50 steps instead of every 8).
 PROBE_BUDGET = 0.01
 DRAFTING_EMA = 0.8  # weight of the history in the proposer's seconds per draft token
 MAX_PROBE_COST = 0.5  # no probing when one draft costs this much of a step share (a busy, compute-bound batch)

@@ -26,11 +26,12 @@ EXPLORE_EVERY = 64
 # workers took ~2x a 1-thread one, which re-measured every 64 steps would cost ~2% for nothing.
 SLOW_EXPLORE = 1.5
 # A bucket whose other choice measured at least this much slower skips the re-measurements at steps 8, 16
-# and 32 (step 4's still checks the first pick), and a new bucket borrows the verdict when every measured
-# bucket of its kind (decode/verification sizes, or prefill sizes) agrees this clearly. A prompt-lookup
-# request spreads its steps over nine sizes; each size measuring one thread five times in its first 32
-# steps made 20 of 87 steps of a summarization request run on one thread, ~1.2-1.4x slower here.
-CLEAR_MARGIN = 1.15
+# and 32 (a decode size's step 4 still checks the first pick; a prefill's, ~0.5 s more on one thread for
+# 1000 tokens, does not), and a new bucket borrows the verdict when every measured bucket of its kind
+# (decode/verification sizes, or prefill sizes) agrees this clearly. A prompt-lookup request spreads its
+# steps over nine sizes; each size measuring one thread five times in its first 32 steps made 20 of 87
+# steps of a summarization request run on one thread, ~1.15-1.45x slower here.
+CLEAR_MARGIN = 1.1
 MAX_EXPLORE_EVERY = 1024
 EMA = 0.7  # weight of the history in the moving averages
 
@@ -57,14 +58,16 @@ class ThreadPolicy:
             borrowed = self._verdict_of_similar(bucket) if len(unmeasured) < len(self.choices) else None
             return borrowed if borrowed is not None and step < EXPLORE_EVERY else unmeasured[0]
         best = min(self.choices, key=lambda t: self.seconds[(bucket, t)])
-        # Re-measure the other choice at steps 4, 8, 16, 32 (only step 4 when the verdict is clear), then every
+        # Re-measure the other choice at steps 4, 8, 16, 32 (a clear verdict: only a decode size's step 4), then every
         # EXPLORE_EVERY: an early wrong pick (one noisy step) is corrected quickly, a settled one costs little.
         if step >= EXPLORE_EVERY:
             explore = step >= self.next_explore.get(bucket, EXPLORE_EVERY)
             if explore:
                 self.next_explore[bucket] = step + self.interval.get(bucket, EXPLORE_EVERY)
         else:
-            explore = step == 4 or (step > 4 and step & (step - 1) == 0 and self._clear_best(bucket) is None)
+            settled = self._clear_best(bucket) is not None
+            explore = step >= 4 and step & (step - 1) == 0 and not (
+                settled and (step > 4 or bucket >= SKIP_FIRST_BELOW))
         if explore and len(self.choices) > 1:
             self.exploring.add(bucket)
             return next(t for t in self.choices if t != best)

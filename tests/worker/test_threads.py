@@ -79,3 +79,14 @@ def test_exploring_backs_off_while_the_other_choice_stays_much_slower_and_resets
     fast_again = run(3 * MAX_EXPLORE_EVERY, {1: 0.02, 2: 0.01})
     # the first exploration after the change is not slow: every 64 steps again until 2 threads take over
     assert fast_again[-EXPLORE_EVERY:].count(True) >= EXPLORE_EVERY - 1
+
+
+def test_a_clear_prefill_verdict_is_not_re_measured_early():
+    """A 1000-token prefill on the slower choice costs ~0.5 s here: once one thread measured clearly slower,
+    prefills stay on all threads until EXPLORE_EVERY (a decode size would re-check at its step 4)."""
+    policy = ThreadPolicy(max_threads=2)
+    picks = []
+    for _ in range(EXPLORE_EVERY):
+        picks.append(policy.choose(1000))
+        policy.record(1000, picks[-1], 1.3 if picks[-1] == 1 else 0.75)
+    assert picks[:3] == [2, 1, 2] and picks[3:-1] == [2] * (EXPLORE_EVERY - 4) and picks[-1] == 1

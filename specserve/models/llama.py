@@ -190,7 +190,7 @@ class LlamaForCausalLM:
         # The whole stack in one C call (worker/csrc/decoder.c) when every layer runs on C kernels and no
         # layer output is read on the way (aux hidden states); tests turn it off to compare the two.
         self.fused_forward = self._fused_operands() is not None and not self.aux_hidden_layers
-        self._fused_layers: dict[tuple, object] = {}
+        self._fused_layers: tuple | None = None  # (the cache tensors, their ctypes layer array)
 
     def _make_rotary(self, cfg: DecoderConfig, dtype: torch.dtype) -> RotaryEmbedding:
         return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
@@ -234,16 +234,17 @@ class LlamaForCausalLM:
         return operands
 
     def _layers_c(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        """The ctypes layer array for these caches, built once per cache list."""
-        key = (id(kv_caches), kv_caches[0][0].data_ptr() if kv_caches else 0)
-        layers = self._fused_layers.get(key)
-        if layers is None:
+        """The ctypes layer array for these caches, built once per set of cache tensors. The entry holds
+        the tensors themselves, so their memory cannot be freed and reused while pointers to it are kept."""
+        tensors = tuple(t for pair in kv_caches for t in pair)
+        cached = self._fused_layers
+        if cached is None or len(cached[0]) != len(tensors) or any(a is not b for a, b in zip(cached[0], tensors)):
             layers = (kernels.DecoderLayerC * len(self.layers))()
             for i, (layer, ops, (k_cache, v_cache)) in enumerate(zip(self.layers, self._fused_operands(), kv_caches)):
                 layers[i] = kernels.DecoderLayerC(*map(kernels.linear_c, ops), layer.input_norm.data_ptr(),
                                                   layer.post_norm.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
-            self._fused_layers = {key: layers}  # the model's tensors outlive it; one cache list at a time
-        return layers
+            cached = self._fused_layers = (tensors, layers)  # one set of caches at a time
+        return cached[1]
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -50,7 +50,7 @@ class DraftModelProposer:
         # A self-draft (the target's own weights, perhaps quantized) takes the target's verified KV for the
         # history instead of recomputing it: no prefill of its own, and one token per catch-up.
         self.copies_target_kv = _is_self_draft(self.model, target_model) and kernel_usable(self.model.dtype)
-        self._copy_pointers: tuple | None = None  # (id of the target's cache list, dst, src pointer arrays)
+        self._copy_pointers: tuple | None = None  # (the target's cache tensors, dst, src pointer arrays)
 
     @torch.inference_mode()
     def propose(self, inputs: DraftInputs) -> Drafts:
@@ -145,10 +145,12 @@ class DraftModelProposer:
             state.num_computed = max(state.num_computed, verified)
         if not src:
             return
-        caches = inputs.target_kv_caches
-        if self._copy_pointers is None or self._copy_pointers[0] != id(caches):
-            flat = lambda pairs: [t for pair in pairs for t in pair]  # noqa: E731
-            self._copy_pointers = (id(caches), pointer_array(flat(self.kv_caches)), pointer_array(flat(caches)))
+        source = tuple(t for pair in inputs.target_kv_caches for t in pair)
+        cached = self._copy_pointers
+        if cached is None or len(cached[0]) != len(source) or any(a is not b for a, b in zip(cached[0], source)):
+            # holding the target's tensors keeps their memory from being freed and reused under the pointers
+            mine = [t for pair in self.kv_caches for t in pair]
+            self._copy_pointers = (source, pointer_array(mine), pointer_array(list(source)))
         row_floats = self.kv_caches[0][0].shape[2] * self.kv_caches[0][0].shape[3]
         copy_rows(self._copy_pointers[1], self._copy_pointers[2], torch.tensor(dst), torch.tensor(src), row_floats)
 

@@ -45,6 +45,32 @@
 
 typedef float v16 __attribute__((vector_size(64)));
 
+/* One k step: every row's broadcast x[m, k] (x points at column k of row 0) times the block's 32 weights. */
+static inline __attribute__((always_inline)) void accumulate(v16 acc[][2], const float *x, int64_t K, v16 w0,
+                                                             v16 w1, const int rows) {
+    for (int m = 0; m < rows; m++) {
+        const float xv = x[m * K];
+        acc[m][0] += xv * w0;
+        acc[m][1] += xv * w1;
+    }
+}
+
+/* Each row's 32 sums, times the column scales and plus the bias where given, into its ncols outputs. */
+static inline __attribute__((always_inline)) void store_rows(v16 acc[][2], float *y, int64_t N, int64_t ncols,
+                                                             const float *scale, const float *bias,
+                                                             const int rows) {
+    for (int m = 0; m < rows; m++) {
+        float tmp[BLOCK];
+        memcpy(tmp, &acc[m][0], sizeof acc[m][0]);
+        memcpy(tmp + 16, &acc[m][1], sizeof acc[m][1]);
+        if (scale)
+            for (int64_t j = 0; j < ncols; j++) tmp[j] *= scale[j];
+        if (bias)
+            for (int64_t j = 0; j < ncols; j++) tmp[j] += bias[j];
+        memcpy(y + m * N, tmp, ncols * sizeof(float));
+    }
+}
+
 static inline __attribute__((always_inline)) void block_rows(const float *restrict w, const float *restrict x,
                                                              int64_t K, float *restrict y, int64_t N,
                                                              int64_t ncols, const float *bias, const int rows) {
@@ -56,20 +82,9 @@ static inline __attribute__((always_inline)) void block_rows(const float *restri
         __builtin_prefetch(w + k * BLOCK + PREFETCH + 16);
         memcpy(&w0, w + k * BLOCK, sizeof w0);
         memcpy(&w1, w + k * BLOCK + 16, sizeof w1);
-        for (int m = 0; m < rows; m++) {
-            const float xv = x[m * K + k];
-            acc[m][0] += xv * w0;
-            acc[m][1] += xv * w1;
-        }
+        accumulate(acc, x + k, K, w0, w1, rows);
     }
-    for (int m = 0; m < rows; m++) {
-        float tmp[BLOCK];
-        memcpy(tmp, &acc[m][0], sizeof acc[m][0]);
-        memcpy(tmp + 16, &acc[m][1], sizeof acc[m][1]);
-        if (bias)
-            for (int64_t j = 0; j < ncols; j++) tmp[j] += bias[j];
-        memcpy(y + m * N, tmp, ncols * sizeof(float));
-    }
+    store_rows(acc, y, N, ncols, NULL, bias, rows);
 }
 
 /* x: [M, K]; packed: as above; bias: [N] or NULL; y: [M, N]. All contiguous. */
@@ -128,20 +143,9 @@ static inline __attribute__((always_inline)) void block_rows_i8(const int8_t *re
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (v16){0};
     for (int64_t k = 0; k < K; k++) {
         __builtin_prefetch(w + k * BLOCK + 4 * PREFETCH);
-        const v16 w0 = widen(w + k * BLOCK), w1 = widen(w + k * BLOCK + 16);
-        for (int m = 0; m < rows; m++) {
-            const float xv = x[m * K + k];
-            acc[m][0] += xv * w0;
-            acc[m][1] += xv * w1;
-        }
+        accumulate(acc, x + k, K, widen(w + k * BLOCK), widen(w + k * BLOCK + 16), rows);
     }
-    for (int m = 0; m < rows; m++) {
-        float tmp[BLOCK];
-        memcpy(tmp, &acc[m][0], sizeof acc[m][0]);
-        memcpy(tmp + 16, &acc[m][1], sizeof acc[m][1]);
-        for (int64_t j = 0; j < ncols; j++) tmp[j] = tmp[j] * scale[j] + (bias ? bias[j] : 0.0f);
-        memcpy(y + m * N, tmp, ncols * sizeof(float));
-    }
+    store_rows(acc, y, N, ncols, scale, bias, rows);
 }
 
 /* x: [M, K] fp32; packed: [ceil(N / 32)][K][32] int8; scale: [N]; bias: [N] or NULL; y: [M, N]. */

@@ -18,7 +18,7 @@ import statistics
 
 import numpy as np
 
-from specserve.spec_decode.ngram import find_ngram_match, ngram_continuation
+from specserve.spec_decode.ngram import find_ngram_match, ngram_continuation, num_to_draft
 from specserve.spec_decode.policy import DraftLengthPolicy
 
 CATEGORIES = ["summarization", "math_reasoning", "coding", "translation", "qa", "rag", "writing", "extraction"]
@@ -53,7 +53,7 @@ def replay(item: dict, min_n: int, max_n: int, k: int, cost: float, adaptive: bo
             match = find_ngram_match(history, min_n, max_n, src_end + pos - src_size if src_end >= 0 else -1)
             src_end, src_size = match, pos
             if match >= 0:
-                draft = ngram_continuation(history, match, num).tolist()
+                draft = ngram_continuation(history, match, num_to_draft(history, match, num)).tolist()
         accepted = 0
         while accepted < len(draft) and tokens[pos + accepted] == draft[accepted]:
             accepted += 1

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.spec_decode.ngram import NgramProposer, find_ngram_draft, find_ngram_match
+from specserve.spec_decode.ngram import ONE_TOKEN_MATCH_MAX_DRAFTS, NgramProposer, find_ngram_draft, find_ngram_match
 from specserve.spec_decode.proposer import DraftInputs
 
 
@@ -102,6 +102,16 @@ def test_proposer_caps_by_num_drafts_and_max_model_len():
     assert out.token_ids == [[3, 4, 5, 6], [3, 4], []] and out.probs is None
     for max_len, want in [(14, [3, 4, 5, 6]), (13, [3, 4, 5]), (11, [3]), (10, []), (9, [])]:
         assert p.propose(make_inputs(["a"], [tokens], [4], max_len)).token_ids == [want]
+
+
+def test_proposer_drafts_less_after_a_one_token_match():
+    p = proposer(k=6, lo=1, hi=3)
+    one = [7, 1, 2, 3, 4, 5, 6, 8, 9, 1]  # only "1" recurs: at most ONE_TOKEN_MATCH_MAX_DRAFTS
+    two = [7, 1, 2, 3, 4, 5, 6, 8, 7, 1]  # "7 1" recurs: the full k
+    out = p.propose(make_inputs(["a", "b"], [one, two], [6, 6])).token_ids
+    assert ONE_TOKEN_MATCH_MAX_DRAFTS == 3
+    assert out == [[2, 3, 4], [2, 3, 4, 5, 6, 8]]
+    assert p.propose(make_inputs(["c"], [one], [2])).token_ids == [[2, 3]]  # a smaller k still applies
 
 
 def test_proposer_keeps_copying_from_the_same_source():

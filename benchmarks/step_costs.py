@@ -1,0 +1,88 @@
+"""Where a speculative method's decode time goes at batch 1: step time by step size, in the engine.
+
+Loads specserve's plain decoding and one speculative method, runs the same Spec-Bench prompts through
+both in turn (greedy, 128 tokens, every prompt fully prefilled), and prints for each engine the median
+`execute_model` time of its decode and verification steps by number of tokens in the step, the tokens
+emitted per step, and the decode-time ratio. A step over 1 + k tokens costs more than a one-token step
+by what the k extra rows cost (attention over the context, the GEMMs' arithmetic, the LM head's
+screen); the ratio of the two medians is the price of verification that the drafts must repay.
+
+    .venv/bin/python benchmarks/step_costs.py --category summarization --method ngram --rounds 2
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+from specserve.bench.common import DEFAULT_DATASET, read_specbench, render_prompts
+from specserve.bench.latency import select_per_category
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+
+
+def timed_steps(llm: LLM) -> list[tuple[int, float]]:
+    """(tokens in the step, seconds of execute_model) for every step the engine runs from now on."""
+    runner, steps = llm.llm_engine.runner, []
+    execute = runner.execute_model
+
+    def execute_timed(sched):
+        start = time.perf_counter()
+        out = execute(sched)
+        steps.append((sched.total_num_scheduled_tokens, time.perf_counter() - start))
+        return out
+
+    runner.execute_model = execute_timed
+    return steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", default=DEFAULT_DATASET)
+    p.add_argument("--category", default="summarization")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
+    p.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=128)
+    args = p.parse_args()
+
+    rows = select_per_category(read_specbench(args.dataset), [args.category], args.prompts)
+    spec = {"method": args.method, "num_speculative_tokens": args.k}
+    engines = {"plain": LLM(max_num_seqs=1, max_model_len=4096),
+               args.method: LLM(max_num_seqs=1, max_model_len=4096, speculative_config=spec)}
+    prompts = render_prompts(engines["plain"].get_tokenizer(), rows)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for llm in engines.values():  # warm-up: kernels built, thread policy's first measurements
+        llm.generate([prompts[0].as_engine_prompt()], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    steps = {name: timed_steps(llm) for name, llm in engines.items()}
+    decode_s, emitted = defaultdict(float), defaultdict(int)
+    for _ in range(args.rounds):
+        for prompt in prompts:
+            for name, llm in engines.items():
+                llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+                out = llm.generate([prompt.as_engine_prompt()], params, use_tqdm=False)[0]
+                decode_s[name] += out.metrics.last_token_time - out.metrics.first_token_time
+                emitted[name] += len(out.outputs[0].token_ids) - 1
+
+    print(f"{args.category}: {len(prompts)} prompts x {args.rounds} rounds, {args.max_tokens} tokens, "
+          f"{args.method} k={args.k}")
+    base = None
+    for name, timings in steps.items():
+        by_size = defaultdict(list)
+        for size, seconds in timings:
+            if size <= args.k + 1:  # decode and verification steps (a prefill chunk is far longer)
+                by_size[size].append(seconds * 1e3)
+        num_steps = sum(map(len, by_size.values()))
+        sizes = "  ".join(f"{n}: {statistics.median(v):.2f} ms ({len(v)})" for n, v in sorted(by_size.items()))
+        base = base if base is not None else statistics.median(by_size[1])
+        rel = "  ".join(f"{n}: {statistics.median(v) / base:.2f}" for n, v in sorted(by_size.items()))
+        print(f"{name}: {emitted[name] / max(num_steps, 1):.2f} tokens per step, decode {decode_s[name]:.2f} s, "
+              f"{decode_s['plain'] / decode_s[name]:.2f}x plain")
+        print(f"  median step by tokens (count): {sizes}")
+        print(f"  relative to plain's one-token step: {rel}")
+
+
+if __name__ == "__main__":
+    main()

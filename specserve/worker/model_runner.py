@@ -22,7 +22,7 @@ from specserve.worker.kernels import kernel_usable
 from specserve.worker.threads import ThreadPolicy
 
 
-def positions_at(positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def positions_at(positions: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
     """The one accessor for positions: [N] → [T] and [3, N] → [3, T], always on the token axis."""
     return positions[..., index]
 
@@ -280,16 +280,16 @@ class ModelRunner:
                             aux) -> DraftInputs:
         """Target states of the accepted tokens of each sampling request; rejected tails dropped."""
         req_ids = batch.sample_req_ids
-        index, cu = [], [0] * (len(req_ids) + 1)
-        if getattr(self.proposer, "uses_target_states", True):  # prompt lookup, suffix: token ids only
+        take, cu = slice(0, 0), [0] * (len(req_ids) + 1)  # prompt lookup, suffix: token ids only (empty views)
+        if getattr(self.proposer, "uses_target_states", True):
             row_of = {rid: i for i, rid in enumerate(batch.req_ids)}
-            cu = [0]
+            index, cu = [], [0]
             for rid, drafts in zip(req_ids, batch.draft_token_ids):
                 start, end = batch.query_start_loc[row_of[rid]], batch.query_start_loc[row_of[rid] + 1]
                 num_rejected = len(drafts) + 1 - len(sampled[rid])
                 index.extend(range(start, end - num_rejected))
                 cu.append(len(index))
-        index_t = torch.tensor(index, dtype=torch.long)
+            take = torch.tensor(index, dtype=torch.long)
         states = [self.requests[rid] for rid in req_ids]
         finished, self.finished_since_draft = self.finished_since_draft, set()
         return DraftInputs(
@@ -299,10 +299,10 @@ class ModelRunner:
             token_ids=[s.token_ids for s in states],
             num_prompt_tokens=[len(s.prompt_token_ids) for s in states],
             num_drafts=[self._num_drafts(s) for s in states],
-            target_token_ids=batch.input_ids[index_t],
-            target_positions=positions_at(batch.positions, index_t),
-            target_hidden_states=hidden[index_t],
-            aux_hidden_states=[a[index_t] for a in aux] if aux is not None else None,
+            target_token_ids=batch.input_ids[take],
+            target_positions=positions_at(batch.positions, take),
+            target_hidden_states=hidden[take],
+            aux_hidden_states=[a[take] for a in aux] if aux is not None else None,
             cu_num_tokens=cu,
             sampling_params=[s.sampling_params for s in states],
             generators=[s.generator for s in states],

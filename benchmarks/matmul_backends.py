@@ -120,7 +120,7 @@ DEFAULT_BACKENDS = [b for b in EXACT if b != "onednn_fp16_dyn"]
 
 class _OpenBLAS:
     def __init__(self) -> None:
-        from specserve.models.linear import find_openblas
+        from specserve.models.openblas import find_openblas
 
         self.lib, self.prefix, self.suffix = find_openblas() or (None, "", "")
 

@@ -73,7 +73,7 @@ Threading: numpy's OpenBLAS runs its own pthread pool next to torch's OpenMP poo
 With both at 2 threads on 2 cores, alternating calls make the two pools' spinning
 workers fight over the cores (whole-model step 0.9-1.4 s instead of ~22 ms). The numpy
 path therefore limits OpenBLAS to 1 thread the first time it is used, unless the user
-set ``OPENBLAS_NUM_THREADS`` explicitly (see ``limit_openblas_threads``). The 1-row
+set ``OPENBLAS_NUM_THREADS`` explicitly (see ``specserve.models.openblas``). The 1-row
 numpy path also keeps decode steps out of OpenMP entirely, which matters on a shared
 machine: with torch at 2 threads and the default OpenMP spin-wait, every parallel
 region can stall for a scheduler tick when the other vCPU is busy (measured ~1 s per
@@ -109,11 +109,8 @@ between calls, so a FastLinear may be called from several threads at once.
 
 from __future__ import annotations
 
-import ctypes
-import glob
 import logging
 import os
-import threading
 import warnings
 from typing import Optional, Union
 
@@ -121,6 +118,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specserve.models import openblas
 from specserve.worker import kernels
 
 logger = logging.getLogger(__name__)
@@ -201,71 +199,6 @@ try:
 except (ValueError, RuntimeError) as _e:  # do not break `import specserve.models`
     logger.warning("ignoring %s: %s", ENV_VAR, _e)
     SELECTED_BACKEND = "auto"
-
-
-# --------------------------------------------------------------------------------------
-# OpenBLAS thread control (ctypes into numpy's bundled scipy-openblas; no threadpoolctl)
-
-
-def find_openblas():
-    """(library, symbol prefix, symbol suffix) of numpy's bundled OpenBLAS, or None when not found."""
-    libdir = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
-    for path in sorted(glob.glob(os.path.join(libdir, "*openblas*"))):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for prefix in ("scipy_openblas", "openblas"):
-            for suffix in ("64_", ""):
-                names = (f"{prefix}_get_num_threads{suffix}", f"{prefix}_set_num_threads{suffix}")
-                if all(hasattr(lib, name) for name in names):
-                    return lib, prefix, suffix
-    return None
-
-
-def _find_openblas_setter():
-    found = find_openblas()
-    if found is None:
-        return None, None
-    lib, prefix, suffix = found
-    return getattr(lib, f"{prefix}_get_num_threads{suffix}"), getattr(lib, f"{prefix}_set_num_threads{suffix}")
-
-
-_openblas_get, _openblas_set = _find_openblas_setter()
-_openblas_lock = threading.Lock()
-_openblas_checked = False
-
-
-def openblas_num_threads() -> Optional[int]:
-    """Current OpenBLAS thread count of numpy's BLAS, or None if it cannot be queried."""
-    return int(_openblas_get()) if _openblas_get is not None else None
-
-
-def limit_openblas_threads(n: int = 1, *, force: bool = False) -> Optional[int]:
-    """Set numpy's OpenBLAS thread count to ``n`` (process-wide) and return the old value.
-
-    Without ``force`` this does nothing when the user set OPENBLAS_NUM_THREADS explicitly.
-    Called automatically (n=1) the first time a FastLinear takes the numpy path.
-    """
-    if _openblas_set is None:
-        return None
-    if not force and "OPENBLAS_NUM_THREADS" in os.environ:
-        return openblas_num_threads()
-    old = openblas_num_threads()
-    if old != n:
-        _openblas_set(ctypes.c_int(n))
-        logger.info("FastLinear: OpenBLAS threads %s -> %s (avoids OpenMP/OpenBLAS contention)", old, n)
-    return old
-
-
-def _ensure_openblas_single_thread() -> None:
-    global _openblas_checked
-    if _openblas_checked:
-        return
-    with _openblas_lock:
-        if not _openblas_checked:
-            limit_openblas_threads(1)
-            _openblas_checked = True
 
 
 # --------------------------------------------------------------------------------------
@@ -468,7 +401,7 @@ class FastLinear(torch.nn.Module):
         return y.view(*lead, self.out_features)
 
     def _forward_numpy(self, x: torch.Tensor, lead: torch.Size, rows: int) -> torch.Tensor:
-        _ensure_openblas_single_thread()
+        openblas.ensure_single_thread()
         y = torch.empty(*lead, self.out_features, dtype=torch.float32)
         if rows == 0:
             return y

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models import linear as L
+from specserve.models import openblas
 from specserve.models.linear import FastLinear
 from specserve.worker import kernels
 
@@ -186,19 +187,19 @@ def test_from_linear():
 
 
 def test_numpy_path_limits_openblas_threads(monkeypatch):
-    if L.openblas_num_threads() is None:
+    if openblas.openblas_num_threads() is None:
         pytest.skip("OpenBLAS thread control unavailable")
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
-    old = L.openblas_num_threads()
+    old = openblas.openblas_num_threads()
     try:
-        L.limit_openblas_threads(2, force=True)
-        monkeypatch.setattr(L, "_openblas_checked", False)
+        openblas.limit_openblas_threads(2, force=True)
+        monkeypatch.setattr(openblas, "_checked", False)
         lin = FastLinear(torch.randn(8, 8), backend="numpy")
         with torch.inference_mode():
             lin(torch.randn(1, 8))
-        assert L.openblas_num_threads() == 1
+        assert openblas.openblas_num_threads() == 1
     finally:
-        L.limit_openblas_threads(old, force=True)
+        openblas.limit_openblas_threads(old, force=True)
 
 
 def test_thread_safety():

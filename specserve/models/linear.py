@@ -340,7 +340,7 @@ class FastLinear(torch.nn.Module):
         if self._slow != "c" or self._numpy_max_rows or self.bias is not None:
             return False
         if self._screen is None:
-            self._screen = kernels.pack_gemm_weight_int8(self.dense_weight())
+            self._screen = kernels.pack_argmax_screen(self.dense_weight())
         return True
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

@@ -122,7 +122,7 @@ def _bind(lib):
         "gemm_packed_i8": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "argmax_rows_f32": ([ptr, i64, i64, ptr], None),
         "copy_rows_f32": ([ptr, ptr, i64, ptr, ptr, i64, i64], None),
-        "lm_head_argmax_f32": ([ptr, ptr, ptr, ptr, i64, i64, i64, ptr], ctypes.c_int),
+        "lm_head_argmax_f32": ([ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr], ctypes.c_int),
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
                                  i64, i64, i64, i64, f32, f32], ctypes.c_int),
     }
@@ -259,16 +259,35 @@ def gemm_packed_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     return y
 
 
-def lm_head_argmax(x: torch.Tensor, packed: torch.Tensor, packed_i8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def pack_argmax_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] fp32 -> lm_head_argmax's int8 screen of it (csrc/greedy.c): q = round(w / scale) with scale =
+    max|w[n]| / 127, packed [ceil(N / 16), ceil(K / 4), 16, 4] (four k's of 16 columns per 64 bytes, zero
+    padded); the scales [N]; sum_k q[n, k] [N] int32; sum_k |w[n, k]| [N] float64."""
+    n, k = weight.shape
+    scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    q = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    padded = torch.zeros(-(-n // 16) * 16, -(-k // 4) * 4, dtype=torch.int8)
+    padded[:n, :k] = q
+    packed = padded.view(-1, 16, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
+    col_sum = q.sum(dim=1, dtype=torch.int32)
+    w_l1 = weight.double().abs().sum(dim=1)
+    return packed, scale.contiguous(), col_sum.contiguous(), w_l1.contiguous()
+
+
+def lm_head_argmax(x: torch.Tensor, packed: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                   col_sum: torch.Tensor, w_l1: torch.Tensor) -> torch.Tensor:
     """x [M, K] -> [M] int64: torch.argmax of gemm_packed(x, packed, None, N) per row, exactly, screened
-    through the int8 copy (packed_i8, scale) of the same weight (csrc/greedy.c)."""
+    through pack_argmax_screen's int8 copy (q, scale, col_sum, w_l1) of the same weight (csrc/greedy.c)."""
     _check(x=x, packed=packed, scale=scale)
-    _check(torch.int8, packed_i8=packed_i8)
+    _check(torch.int8, q=q)
+    _check(torch.int32, col_sum=col_sum)
+    _check(torch.float64, w_l1=w_l1)
     rows, k = x.shape
     out = torch.empty(rows, dtype=torch.int64)
-    if rows and _lib().lm_head_argmax_f32(x.data_ptr(), packed.data_ptr(), packed_i8.data_ptr(), scale.data_ptr(),
-                                         rows, k, scale.shape[0], out.data_ptr()):
-        raise MemoryError("lm_head_argmax: out of memory for its work buffer")
+    if rows and _lib().lm_head_argmax_f32(x.data_ptr(), packed.data_ptr(), q.data_ptr(), scale.data_ptr(),
+                                         col_sum.data_ptr(), w_l1.data_ptr(), rows, k, scale.shape[0],
+                                         out.data_ptr()):
+        raise MemoryError("lm_head_argmax: out of memory for its work buffers")
     return out
 
 

@@ -160,7 +160,7 @@ def _lm_head_case(seed: int, n: int = 3000, k: int = 96):
     w[7] = w[1900]  # an exact tie between two columns: the first must win
     w[2500] = w[400]
     w[2500, 5] = torch.nextafter(w[400, 5], torch.tensor(1.0))  # a one-ulp near-tie
-    return g, w, kernels.pack_gemm_weight(w), *kernels.pack_gemm_weight_int8(w)
+    return g, w, kernels.pack_gemm_weight(w), kernels.pack_argmax_screen(w)
 
 
 @needs_c
@@ -168,7 +168,7 @@ def _lm_head_case(seed: int, n: int = 3000, k: int = 96):
 def test_lm_head_argmax_is_the_argmax_of_the_fp32_logits(seed):
     """The int8-screened argmax is exactly torch.argmax of gemm_packed's logits: ties go to the first
     column, one-ulp differences are resolved as the fp32 GEMM resolves them, any row count."""
-    g, w, packed, packed_i8, scale = _lm_head_case(seed)
+    g, w, packed, screen = _lm_head_case(seed)
     x = torch.randn(40, w.shape[1], generator=g) * torch.rand(40, 1, generator=g) * 4
     x[3] = w[1900] * 50  # aligned with the tied columns: they are the maximum
     x[4] = w[400] * 50
@@ -176,8 +176,27 @@ def test_lm_head_argmax_is_the_argmax_of_the_fp32_logits(seed):
     for rows in (0, 1, 3, 9, 13, 40):
         xr = x[:rows].contiguous()
         expected = kernels.gemm_packed(xr, packed, None, w.shape[0]).argmax(dim=-1)
-        assert torch.equal(kernels.lm_head_argmax(xr, packed, packed_i8, scale), expected)
-    assert kernels.lm_head_argmax(x[3:5].contiguous(), packed, packed_i8, scale).tolist()[0] == 7
+        assert torch.equal(kernels.lm_head_argmax(xr, packed, *screen), expected)
+    assert kernels.lm_head_argmax(x[3:5].contiguous(), packed, *screen).tolist()[0] == 7
+
+
+@needs_c
+@pytest.mark.parametrize("n,k", [(1001, 61), (17, 5), (48, 64)])
+def test_lm_head_argmax_on_ragged_shapes_and_outlier_activations(n, k):
+    """Vocabulary sizes that do not fill the screen's 16-column blocks and widths that do not fill its
+    groups of 4; hidden states with a few dimensions far above the rest (as real ones have: the screen
+    writes each row as two int8 terms so that these do not loosen its bound)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(24, k, generator=g)
+    x[:, 0] *= 40.0  # one outlier dimension in every row
+    x[5:9, k // 2] = -300.0
+    x[10] = 0.0
+    packed, screen = kernels.pack_gemm_weight(w), kernels.pack_argmax_screen(w)
+    for rows in (1, 2, 9, 24):
+        xr = x[:rows].contiguous()
+        expected = kernels.gemm_packed(xr, packed, None, n).argmax(dim=-1)
+        assert torch.equal(kernels.lm_head_argmax(xr, packed, *screen), expected)
 
 
 @needs_c
@@ -188,29 +207,29 @@ def test_lm_head_argmax_settles_near_ties_with_the_gemm_rounding():
     w = torch.randn(3000, 96, generator=g) * 0.02
     base = torch.randn(96, generator=g) * 0.05
     w[1000:1200] = base + torch.randn(200, 96, generator=g) * 1e-8
-    packed, packed_i8, scale = kernels.pack_gemm_weight(w), *kernels.pack_gemm_weight_int8(w)
+    packed, screen = kernels.pack_gemm_weight(w), kernels.pack_argmax_screen(w)
     x = (base * 40 + torch.randn(16, 96, generator=g)).contiguous()
     logits = kernels.gemm_packed(x, packed, None, 3000)
     expected = logits.argmax(dim=-1)
     assert ((expected >= 1000) & (expected < 1200)).all()
     assert not torch.equal(expected, (x.double() @ w.double().T).argmax(dim=-1))  # rounding decides
-    assert torch.equal(kernels.lm_head_argmax(x, packed, packed_i8, scale), expected)
+    assert torch.equal(kernels.lm_head_argmax(x, packed, *screen), expected)
 
 
 @needs_c
 def test_lm_head_argmax_falls_back_to_the_full_row():
     """Non-finite inputs and rows where the screen cannot narrow the field (huge inputs, many nearly
     equal logits) take the full fp32 row, with torch.argmax's answer (the first NaN included)."""
-    g, w, packed, packed_i8, scale = _lm_head_case(2)
+    g, w, packed, screen = _lm_head_case(2)
     flat = torch.ones(3000, 96) * 0.01 + torch.randn(3000, 96, generator=g) * 1e-6  # ~3000 near-ties
-    flat_packed, flat_i8, flat_scale = kernels.pack_gemm_weight(flat), *kernels.pack_gemm_weight_int8(flat)
+    flat_packed, flat_screen = kernels.pack_gemm_weight(flat), kernels.pack_argmax_screen(flat)
     x = torch.randn(4, 96, generator=g)
     x[1, 3] = float("nan")
     x[2, 0] = float("inf")
     x[3] *= 1e30
-    for wt, p, p8, sc in ((w, packed, packed_i8, scale), (flat, flat_packed, flat_i8, flat_scale)):
+    for wt, p, sc in ((w, packed, screen), (flat, flat_packed, flat_screen)):
         expected = kernels.gemm_packed(x, p, None, wt.shape[0]).argmax(dim=-1)
-        assert torch.equal(kernels.lm_head_argmax(x, p, p8, sc), expected)
+        assert torch.equal(kernels.lm_head_argmax(x, p, *sc), expected)
 
 
 @needs_c

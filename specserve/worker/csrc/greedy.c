@@ -2,22 +2,41 @@
  *
  * Greedy decoding and greedy verification need only each row's argmax, but the LM head is the largest
  * layer (SmolLM2: 49152 x 576, 113 MB fp32, ~2 ms of a ~11 ms step). An int8 copy of W (a quarter of
- * the bytes) screens the vocabulary: with per-column scale s_n, rounding W to int8 moves logit n by at
- * most ||x||_1 * s_n / 2, and the two fp32 summations add at most ~K * 2^-24 * ||x||_1 * 127 s_n each.
- * With b_n that bound, a column whose screened logit plus b_n falls below another's minus b_m cannot be
- * the maximum; the few that survive are recomputed exactly as gemm_packed_f32 computes them (the same
- * chain of multiply-adds over k, so the same bits), and the first maximum wins, as in torch.argmax. Rows
- * with non-finite inputs or too many survivors get the full fp32 row instead.
+ * the bytes) screens the vocabulary with exact integer dot products; a column whose screened logit plus
+ * its error bound falls below another's minus that one's bound cannot be the maximum, and the few that
+ * survive are recomputed exactly as gemm_packed_f32 computes them (the same chain of multiply-adds over
+ * k, so the same bits); the first maximum wins, as in torch.argmax. Rows with non-finite inputs or too
+ * many survivors get the full fp32 row instead.
+ *
+ * The screen. W[n] ~ s_n q[n] with q = round(W[n] / s_n) in int8, s_n = max |W[n]| / 127, so
+ * |W[n, k] - s_n q[n, k]| <= s_n / 2. Each row x is written as two int8 terms, x ~ t p + t2 p2 (p =
+ * round(x / t), t = max |x| / 127; p2 the same for the remainder), because hidden states have outlier
+ * dimensions (max |x| ~16x the mean |x| on SmolLM2): with p alone the bound below let hundreds to
+ * thousands of columns survive, with both terms as few as with fp32 activations (median 3). Then
+ * D1 = sum_k p q and D2 = sum_k p2 q are exact int32 sums (AVX-512 VNNI: 64 products per instruction, 4x
+ * the fp32 multiply-adds of widening the weights), the screened logit is s_n (t D1 + t2 D2), and with
+ * e = the largest |x_k - t p_k - t2 p2_k|, the exact logit differs from it by at most
+ *   s_n / 2 * (||x||_1 + K e)          (the weights' rounding)
+ *   + e * ||W[n]||_1                   (the activations' remainder)
+ *   + 127 s_n ||x||_1 * gamma_K        (the fp32 GEMM's own rounding, gamma_K = K u / (1 - K u), u = 2^-24).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "specserve_kernels.h"
 
 #define BLOCK 32
 #define MAX_CANDIDATES 256
+#define SCREEN_COLS 16 /* columns of a screen block: one 16-lane int32 accumulator per activation row */
+#define SCREEN_ROWS 16 /* activation rows (8 x rows, two terms each) sharing every weight load; at 18
+                        * and more GCC spilled the accumulators (dot products at 350 instead of ~770 GMAC/s) */
+#define SCREEN_PREFETCH 4096 /* bytes ahead in the weight stream */
+#define SCAN 64 /* columns tested at once for candidates */
 
 typedef float v16 __attribute__((vector_size(64)));
 
@@ -35,69 +54,205 @@ static float packed_column(const float *x, const float *packed, int64_t K, int64
     return acc[n % 16];
 }
 
-/* The full row through the fp32 GEMM, then torch.argmax's answer. */
-static void full_row(const float *x, const float *packed, int64_t K, int64_t N, float *y, int64_t *out) {
+/* The full row through the fp32 GEMM, then torch.argmax's answer (rare: its buffer is allocated here).
+ * Returns 0, or 1 when the buffer could not be allocated. */
+static int full_row(const float *x, const float *packed, int64_t K, int64_t N, int64_t *out) {
+    float *y = malloc(sizeof(float) * N);
+    if (!y) return 1;
     gemm_packed_f32(x, packed, NULL, y, 1, K, N);
     argmax_rows_f32(y, 1, N, out);
+    free(y);
+    return 0;
 }
 
-/* One row: screened logits y [N] in, the exact argmax out. */
-static void row_argmax(const float *x, const float *packed, const float *scale, float *y, int64_t K, int64_t N,
-                       double slack, int64_t *out) {
-    double l1 = 0.0;
-    for (int64_t k = 0; k < K; k++) l1 += fabs((double)x[k]);
-    if (!isfinite(l1)) {
-        full_row(x, packed, K, N, y, out);
-        return;
+/* Activations: x [K] -> t, t2 and the two int8 terms as unsigned bytes (p + 128) in xu [2][K4 * 4] (zero
+ * terms past K); returns e, the largest |x_k - t p_k - t2 p2_k| (doubles: exact enough to bound). */
+static double quantize_row(const float *x, int64_t K, int64_t K4, uint8_t *xu, double *t_out, double *t2_out) {
+    double amax = 0.0;
+    for (int64_t k = 0; k < K; k++) amax = fmax(amax, fabs((double)x[k]));
+    const double t = amax / 127.0;
+    double rmax = 0.0;
+    memset(xu, 128, 2 * K4 * 4);
+    for (int64_t k = 0; k < K && t > 0.0; k++) {
+        const double p = nearbyint(x[k] / t);
+        xu[k] = (uint8_t)(p + 128.0);
+        rmax = fmax(rmax, fabs(x[k] - t * p));
     }
-    const double c = l1 * slack;
-    double threshold = -INFINITY; /* max over n of a lower bound on the exact logit n */
-#pragma omp simd reduction(max : threshold)
-    for (int64_t n = 0; n < N; n++) {
-        const double low = (double)y[n] - c * scale[n];
-        threshold = low > threshold ? low : threshold;
+    const double t2 = rmax / 127.0;
+    double e = 0.0;
+    for (int64_t k = 0; k < K && t2 > 0.0; k++) {
+        const double r = x[k] - t * ((double)xu[k] - 128.0);
+        const double p2 = fmin(fmax(nearbyint(r / t2), -127.0), 127.0);
+        xu[K4 * 4 + k] = (uint8_t)(p2 + 128.0);
+        e = fmax(e, fabs(r - t2 * p2));
     }
-    if (!isfinite(threshold)) {
-        full_row(x, packed, K, N, y, out);
-        return;
+    if (t2 == 0.0) e = rmax;
+    *t_out = t;
+    *t2_out = t2;
+    return e * (1.0 + 1e-9) + amax * 1e-15; /* covers the doubles' own rounding */
+}
+
+/* dots[r][n] = sum_k xu[r][k] * q[n][k] for the `rows` activation rows of one block of 16 columns
+ * (w: the block, [K4][16][4]). Integer sums: exact, whichever path computes them. */
+static inline __attribute__((always_inline)) void screen_block(const uint8_t *xu, int64_t K4, const int8_t *w,
+                                                               int32_t *dots, int64_t ldd, const int rows) {
+#if defined(__AVX512VNNI__)
+    __m512i acc[SCREEN_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_si512();
+    for (int64_t k4 = 0; k4 < K4; k4++) {
+        __builtin_prefetch(w + k4 * 64 + SCREEN_PREFETCH);
+        const __m512i wv = _mm512_loadu_si512((const void *)(w + k4 * 64));
+        for (int r = 0; r < rows; r++) {
+            int32_t xb;
+            memcpy(&xb, xu + r * K4 * 4 + k4 * 4, 4);
+            acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(xb), wv);
+        }
     }
+    for (int r = 0; r < rows; r++) _mm512_storeu_si512((void *)(dots + r * ldd), acc[r]);
+#elif defined(__AVX2__)
+    /* No VNNI: bytes widened to int16 and multiplied in pairs (vpmaddwd, exact); lane 2c + i of acc[r][h] holds
+     * half i of column 4h + c's sum. */
+    __m256i acc[SCREEN_ROWS][4];
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 4; h++) acc[r][h] = _mm256_setzero_si256();
+    for (int64_t k4 = 0; k4 < K4; k4++) {
+        __builtin_prefetch(w + k4 * 64 + SCREEN_PREFETCH);
+        __m256i wv[4];
+        for (int h = 0; h < 4; h++) wv[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k4 * 64 + 16 * h)));
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *xb = xu + r * K4 * 4 + k4 * 4;
+            const __m256i xv = _mm256_set1_epi64x((int64_t)((uint64_t)xb[0] | (uint64_t)xb[1] << 16 |
+                                                            (uint64_t)xb[2] << 32 | (uint64_t)xb[3] << 48));
+            for (int h = 0; h < 4; h++) acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(xv, wv[h]));
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 4; h++) {
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i *)lanes, acc[r][h]);
+            for (int c = 0; c < 4; c++) dots[r * ldd + 4 * h + c] = lanes[2 * c] + lanes[2 * c + 1];
+        }
+#else
+    for (int r = 0; r < rows; r++) {
+        int32_t acc[SCREEN_COLS] = {0};
+        for (int64_t k4 = 0; k4 < K4; k4++)
+            for (int c = 0; c < SCREEN_COLS; c++)
+                for (int j = 0; j < 4; j++)
+                    acc[c] += (int32_t)xu[r * K4 * 4 + k4 * 4 + j] * (int32_t)w[k4 * 64 + c * 4 + j];
+        memcpy(dots + r * ldd, acc, sizeof acc);
+    }
+#endif
+}
+
+/* dots [R][Np] (Np = the columns rounded up to 16) for activation rows xu [R][K4 * 4] (R even: two terms a
+ * row). Rows go through the weights in as few passes as SCREEN_ROWS allows, the passes equal in size. */
+static void screen_dots(const uint8_t *xu, int64_t R, int64_t K4, const int8_t *packed, int64_t Np, int32_t *dots) {
+    const int64_t passes = (R + SCREEN_ROWS - 1) / SCREEN_ROWS;
+    const int64_t per_pass = 2 * ((R / 2 + passes - 1) / passes); /* activation rows, even, <= SCREEN_ROWS */
+#pragma omp parallel for schedule(static) if (R * K4 * Np >= (1 << 16))
+    for (int64_t b = 0; b < Np / SCREEN_COLS; b++) {
+        const int8_t *w = packed + b * K4 * 64;
+        for (int64_t r0 = 0; r0 < R; r0 += per_pass) {
+            const uint8_t *x = xu + r0 * K4 * 4;
+            int32_t *d = dots + r0 * Np + b * SCREEN_COLS;
+            switch ((R - r0 < per_pass ? R - r0 : per_pass) / 2) {
+                case 1: screen_block(x, K4, w, d, Np, 2); break;
+                case 2: screen_block(x, K4, w, d, Np, 4); break;
+                case 3: screen_block(x, K4, w, d, Np, 6); break;
+                case 4: screen_block(x, K4, w, d, Np, 8); break;
+                case 5: screen_block(x, K4, w, d, Np, 10); break;
+                case 6: screen_block(x, K4, w, d, Np, 12); break;
+                case 7: screen_block(x, K4, w, d, Np, 14); break;
+                default: screen_block(x, K4, w, d, Np, 16); break;
+            }
+        }
+    }
+}
+
+/* Column n's screened logit of one row (d1, d2: its two terms' dot products) plus or minus its bound. */
+#define SCREENED(n) (scale[n] * (t * (d1[n] - 128.0 * col_sum[n]) + t2 * (d2[n] - 128.0 * col_sum[n])))
+#define BOUND(n) (a * scale[n] + ew * w_l1[n])
+
+/* One row: its two terms' dot products d1, d2 [Np] in, the exact argmax out; 1 when a fallback to the full
+ * row could not allocate its buffer. */
+static int row_argmax(const float *x, const float *packed, const float *scale, const int32_t *col_sum,
+                      const double *w_l1, const int32_t *d1, const int32_t *d2, const double row[4], int64_t K,
+                      int64_t N, int64_t *out) {
+    const double t = row[0], t2 = row[1], e = row[2], l1 = row[3]; /* see lm_head_argmax_f32 */
+    const double u = 0x1p-24, gamma = K * u / (1.0 - K * u);
+    /* 1e-3 on top covers the scales' own rounding and this arithmetic */
+    const double a = ((l1 + K * e) * 0.5 + 127.0 * l1 * (gamma + u)) * (1.0 + 1e-3), ew = e * (1.0 + 1e-3);
+    /* One pass: threshold = the max over n of a lower bound on the exact logit n, and per SCAN columns the
+     * max of their upper bounds; only groups whose max reaches the threshold are looked at again. */
+    const int64_t groups = (N + SCAN - 1) / SCAN;
+    double threshold = -INFINITY, group_high[groups];
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n1 = (g + 1) * SCAN < N ? (g + 1) * SCAN : N;
+        double low_max = -INFINITY, high_max = -INFINITY;
+#pragma omp simd reduction(max : low_max, high_max)
+        for (int64_t n = g * SCAN; n < n1; n++) {
+            const double v = SCREENED(n), b = BOUND(n);
+            low_max = v - b > low_max ? v - b : low_max;
+            high_max = v + b > high_max ? v + b : high_max;
+        }
+        threshold = low_max > threshold ? low_max : threshold;
+        group_high[g] = high_max;
+    }
+    if (!isfinite(threshold)) return full_row(x, packed, K, N, out);
     int64_t best = -1, count = 0;
     float best_value = 0.0f;
-    for (int64_t n = 0; n < N; n++) {
-        if ((double)y[n] + c * scale[n] < threshold) continue;
-        if (++count > MAX_CANDIDATES) {
-            full_row(x, packed, K, N, y, out);
-            return;
-        }
-        const float v = packed_column(x, packed, K, n);
-        if (v != v) { /* NaN: torch.argmax reports the first one; let the full row find it */
-            full_row(x, packed, K, N, y, out);
-            return;
-        }
-        if (best < 0 || v > best_value) {
-            best = n;
-            best_value = v;
+    for (int64_t g = 0; g < groups; g++) {
+        if (!(group_high[g] >= threshold)) continue; /* NaN-safe: such a group is looked at */
+        const int64_t n1 = (g + 1) * SCAN < N ? (g + 1) * SCAN : N;
+        for (int64_t n = g * SCAN; n < n1; n++) {
+            if (SCREENED(n) + BOUND(n) < threshold) continue;
+            if (++count > MAX_CANDIDATES) return full_row(x, packed, K, N, out);
+            const float v = packed_column(x, packed, K, n);
+            if (v != v) return full_row(x, packed, K, N, out); /* NaN: torch.argmax reports the first */
+            if (best < 0 || v > best_value) {
+                best = n;
+                best_value = v;
+            }
         }
     }
     *out = best;
-}
-
-/* x: [M, K]; packed: W [N, K] in gemm_packed_f32's blocks; packed_i8, scale: gemm_packed_int8's copy of W
- * (scale = max |W[n]| / 127); out: [M] int64. Returns 0, or 1 when the work buffer could not be allocated. */
-int lm_head_argmax_f32(const float *x, const float *packed, const int8_t *packed_i8, const float *scale,
-                       int64_t M, int64_t K, int64_t N, int64_t *out) {
-    float *y = malloc(sizeof(float) * (M * N ? M * N : 1));
-    if (!y) return 1;
-    gemm_packed_i8(x, packed_i8, scale, NULL, y, M, K, N);
-    /* |exact fp32 logit - screened logit| <= ||x||_1 s_n (1/2 + 127 (2 gamma_K + 2^-23)) with
-     * gamma_K = K u / (1 - K u), u = 2^-24: weight rounding (a half step, plus the quotient's rounding),
-     * both fp32 summations and the scale's product; 1e-3 on top covers this bound's own arithmetic and
-     * a scale rounded when it was computed. */
-    const double u = 0x1p-24, gamma = K * u / (1.0 - K * u);
-    const double slack = 0.5 + 127.0 * (2.0 * gamma + 2.0 * u) + 1e-3;
-#pragma omp parallel for if (M > 1)
-    for (int64_t m = 0; m < M; m++)
-        row_argmax(x + m * K, packed, scale, y + m * N, K, N, slack, out + m);
-    free(y);
     return 0;
+}
+#undef SCREENED
+#undef BOUND
+
+/* x: [M, K]; packed: W [N, K] in gemm_packed_f32's blocks; the screen (see the top of this file): q packed as
+ * [ceil(N / 16)][ceil(K / 4)][16][4] int8, scale [N] (max |W[n]| / 127), col_sum [N] (sum_k q[n, k]), w_l1 [N]
+ * (sum_k |W[n, k]|); out: [M] int64. Returns 0, or 1 when a work buffer could not be allocated. */
+int lm_head_argmax_f32(const float *x, const float *packed, const int8_t *q, const float *scale,
+                       const int32_t *col_sum, const double *w_l1, int64_t M, int64_t K, int64_t N, int64_t *out) {
+    const int64_t K4 = (K + 3) / 4, Np = (N + SCREEN_COLS - 1) / SCREEN_COLS * SCREEN_COLS;
+    uint8_t *xu = malloc(2 * M * K4 * 4 + 1);
+    int32_t *dots = malloc(sizeof(int32_t) * (2 * M * Np + 1));
+    double *rows = malloc(sizeof(double) * (4 * M + 1)); /* per row: t, t2, e (quantize_row), ||x||_1 */
+    if (!xu || !dots || !rows) {
+        free(xu), free(dots), free(rows);
+        return 1;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        double *r = rows + 4 * m;
+        r[3] = 0.0;
+        for (int64_t k = 0; k < K; k++) r[3] += fabs((double)x[m * K + k]);
+        if (isfinite(r[3]))
+            r[2] = quantize_row(x + m * K, K, K4, xu + 2 * m * K4 * 4, r, r + 1);
+        else
+            memset(xu + 2 * m * K4 * 4, 128, 2 * K4 * 4);
+    }
+    screen_dots(xu, 2 * M, K4, q, Np, dots);
+    int failed = 0;
+#pragma omp parallel for if (M > 1) reduction(| : failed)
+    for (int64_t m = 0; m < M; m++) {
+        if (!isfinite(rows[4 * m + 3]))
+            failed |= full_row(x + m * K, packed, K, N, out + m);
+        else
+            failed |= row_argmax(x + m * K, packed, scale, col_sum, w_l1, dots + 2 * m * Np, dots + (2 * m + 1) * Np,
+                                 rows + 4 * m, K, N, out + m);
+    }
+    free(xu), free(dots), free(rows);
+    return failed;
 }

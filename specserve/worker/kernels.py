@@ -232,12 +232,18 @@ def gemm_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
-def pack_gemm_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] fp32 -> (int8 blocks [ceil(N / 32), K, 32], fp32 scales [N]): symmetric per-output-channel
-    quantization, q = round(w / scale) with scale = max|w[n]| / 127."""
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] fp32 -> (q [N, K] int8, scales [N] fp32): symmetric per-output-channel quantization,
+    q = round(w / scale) with scale = max|w[n]| / 127."""
     scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-    q = torch.round(weight / scale[:, None]).clamp_(-127, 127)
-    return pack_gemm_weight(q).to(torch.int8), scale.contiguous()
+    q = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale.contiguous()
+
+
+def pack_gemm_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] fp32 -> (int8 blocks [ceil(N / 32), K, 32], fp32 scales [N]) of quantize_int8."""
+    q, scale = quantize_int8(weight)
+    return pack_gemm_weight(q), scale
 
 
 def unpack_gemm_weight_int8(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -260,18 +266,17 @@ def gemm_packed_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 
 def pack_argmax_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] fp32 -> lm_head_argmax's int8 screen of it (csrc/greedy.c): q = round(w / scale) with scale =
-    max|w[n]| / 127, packed [ceil(N / 16), ceil(K / 4), 16, 4] (four k's of 16 columns per 64 bytes, zero
-    padded); the scales [N]; sum_k q[n, k] [N] int32; sum_k |w[n, k]| [N] float64."""
+    """[N, K] fp32 -> lm_head_argmax's int8 screen of it (csrc/greedy.c): quantize_int8's q packed
+    [ceil(N / 16), ceil(K / 4), 16, 4] (four k's of 16 columns per 64 bytes, zero padded); its scales [N];
+    sum_k q[n, k] [N] int32; sum_k |w[n, k]| [N] float64."""
     n, k = weight.shape
-    scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-    q = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    q, scale = quantize_int8(weight)
     padded = torch.zeros(-(-n // 16) * 16, -(-k // 4) * 4, dtype=torch.int8)
     padded[:n, :k] = q
     packed = padded.view(-1, 16, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
     col_sum = q.sum(dim=1, dtype=torch.int32)
     w_l1 = weight.double().abs().sum(dim=1)
-    return packed, scale.contiguous(), col_sum.contiguous(), w_l1.contiguous()
+    return packed, scale, col_sum.contiguous(), w_l1.contiguous()
 
 
 def lm_head_argmax(x: torch.Tensor, packed: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,

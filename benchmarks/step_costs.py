@@ -78,8 +78,10 @@ def main() -> None:
         sizes = "  ".join(f"{n}: {statistics.median(v):.2f} ms ({len(v)})" for n, v in sorted(by_size.items()))
         base = base if base is not None else statistics.median(by_size[1])
         rel = "  ".join(f"{n}: {statistics.median(v) / base:.2f}" for n, v in sorted(by_size.items()))
+        in_steps = sum(map(sum, by_size.values())) / 1e3
         print(f"{name}: {emitted[name] / max(num_steps, 1):.2f} tokens per step, decode {decode_s[name]:.2f} s, "
-              f"{decode_s['plain'] / decode_s[name]:.2f}x plain")
+              f"{decode_s['plain'] / decode_s[name]:.2f}x plain; execute_model {in_steps:.2f} s of it, "
+              f"{1e3 * (decode_s[name] - in_steps) / max(num_steps, 1):.2f} ms per step outside")
         print(f"  median step by tokens (count): {sizes}")
         print(f"  relative to plain's one-token step: {rel}")
 

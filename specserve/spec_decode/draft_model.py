@@ -18,6 +18,7 @@ from specserve.models.registry import build_model
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_probs, random_sample
 from specserve.spec_decode.proposer import DraftInputs, Drafts
+from specserve.worker import hugepages
 from specserve.worker.attention import build_attention_metadata
 from specserve.worker.kernels import argmax_rows, copy_rows, kernel_usable, pointer_array
 
@@ -42,7 +43,7 @@ class DraftModelProposer:
         self.block_size = ctx["block_size"]
         num_blocks = -(-self.max_position // self.block_size) * 2 + ctx["num_blocks"]
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.model.dtype), torch.zeros(shape, dtype=self.model.dtype))
+        self.kv_caches = [(hugepages.zeros(shape, self.model.dtype), hugepages.zeros(shape, self.model.dtype))
                           for _ in range(self.model.num_layers)]
         self.attention_kernel = kernel_usable(self.model.dtype)
         self.free_blocks = list(range(num_blocks - 1, -1, -1))

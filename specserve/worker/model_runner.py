@@ -17,6 +17,7 @@ from specserve.sample.sampler import Sampler
 from specserve.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
 from specserve.spec_decode.policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import DraftInputs
+from specserve.worker import hugepages
 from specserve.worker.attention import AttentionMetadata, build_attention_metadata
 from specserve.worker.kernels import kernel_usable
 from specserve.worker.threads import ThreadPolicy
@@ -85,7 +86,7 @@ class ModelRunner:
         self.draft_policy = draft_policy or DraftLengthPolicy()
         self.uses_mrope = getattr(model, "uses_mrope", False)
         shape = model.kv_cache_shape(num_blocks, block_size)
-        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+        self.kv_caches = [(hugepages.zeros(shape, model.dtype), hugepages.zeros(shape, model.dtype))
                           for _ in range(model.num_layers)]
         self.attention_kernel = kernel_usable(model.dtype)
         self.requests: dict[str, CachedRequestState] = {}

@@ -209,21 +209,39 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
     const vf neg_inf = (vf){0} - INFINITY;
     if (b1 > (c_len + 15) / 16) b1 = (c_len + 15) / 16;
     const int64_t h0 = r0 / q_len / group * dim, h1 = ((r1 - 1) / q_len / group + 1) * dim; /* kv heads' floats */
+    /* The whole chunk's keys and values of these kv heads into L2 first: a request's blocks are scattered
+     * over the pool once requests have come and gone, and the hardware prefetchers lose the stream at every
+     * block edge (measured with blocks at random places in the pool, 2 threads, 1000-token context: 15%
+     * less time at one query row, 10% at 4-9; with consecutive blocks, no change). */
+    for (int64_t b = b0; b < b1; b++)
+        for (int t = 0; t < 16; t++)
+            for (int64_t c = h0; c < h1; c += 16) {
+                __builtin_prefetch(k_cache + table[b] * block_stride + t * token_stride + c, 0, 2);
+                __builtin_prefetch(v_cache + table[b] * block_stride + t * token_stride + c, 0, 2);
+            }
+    /* Per row, once: the keys it sees, its query, its kv head's offset within a token (no integer
+     * divisions in the block loops: 3-4% of the kernel's time) */
+    int64_t lim[TILE_ROWS], qoff[TILE_ROWS], hoff[TILE_ROWS];
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t h = r / q_len, j = r % q_len;
+        lim[r - r0] = c_len - q_len + j + 1;
+        qoff[r - r0] = ((q_start + j) * num_heads + h) * dim;
+        hoff[r - r0] = h / group * dim;
+    }
     /* 1. scores: sc[(r - r0) * CHUNK_KEYS + (b - b0) * 16 + t], -inf past the row's position */
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = b * 16;
         if (b + 1 < b1) prefetch_block(k_cache + table[b + 1] * block_stride, token_stride, h0, h1); /* next keys */
         for (int64_t r = r0; r < r1; r++) {
-            const int64_t h = r / q_len, j = r % q_len;
-            const int64_t limit = c_len - q_len + j + 1; /* keys this row sees */
+            const int64_t limit = lim[r - r0]; /* keys this row sees */
             float *sr = sc + (r - r0) * CHUNK_KEYS + (b - b0) * 16;
             if (limit <= base) {
                 memcpy(sr, &neg_inf, sizeof neg_inf);
                 continue;
             }
             const int64_t n = limit - base < 16 ? limit - base : 16;
-            const float *kb = k_cache + table[b] * block_stride + h / group * dim;
-            const float *qr = q + ((q_start + j) * num_heads + h) * dim;
+            const float *kb = k_cache + table[b] * block_stride + hoff[r - r0];
+            const float *qr = q + qoff[r - r0];
             vf qv[8];
             for (int c = 0; c < NC; c++) qv[c] = load_vf(qr + 16 * c) * scale;
             vf x[16];
@@ -272,11 +290,10 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
         const int64_t base = b * 16;
         if (b + 1 < b1) prefetch_block(v_cache + table[b + 1] * block_stride, token_stride, h0, h1); /* next values */
         for (int64_t r = r0; r < r1; r++) {
-            const int64_t h = r / q_len, j = r % q_len;
-            const int64_t limit = c_len - q_len + j + 1;
+            const int64_t limit = lim[r - r0];
             if (limit <= base) continue;
             const int64_t n = limit - base < 16 ? limit - base : 16;
-            const float *vb = v_cache + table[b] * block_stride + h / group * dim;
+            const float *vb = v_cache + table[b] * block_stride + hoff[r - r0];
             const float *ps = sc + (r - r0) * CHUNK_KEYS + (b - b0) * 16;
             float *ar = st + (r - r0) * stride;
             vf acc[8], acc2[8];

@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "SPECSERVE_KERNELS"
 BACKENDS = ("auto", "c", "torch")
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "decoder.c", "greedy.c", "kv_copy.c")]
+           for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "decoder.c", "greedy.c", "kv_copy.c",
+                        "ngram.c")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("specserve_math.h", "specserve_kernels.h")]
 # -fno-trapping-math lets GCC vectorize floorf (no FP exceptions are relied on anywhere).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -123,6 +124,7 @@ def _bind(lib):
         "argmax_rows_f32": ([ptr, i64, i64, ptr], None),
         "copy_rows_f32": ([ptr, ptr, i64, ptr, ptr, i64, i64], None),
         "lm_head_argmax_f32": ([ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr], ctypes.c_int),
+        "ngram_match_i64": ([ptr, i64, i64, i64, i64], ctypes.c_int64),
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
                                  i64, i64, i64, i64, f32, f32], ctypes.c_int),
     }
@@ -354,3 +356,11 @@ def copy_rows(dst, src, dst_rows: torch.Tensor, src_rows: torch.Tensor, row_floa
     if len(dst) != len(src) or dst_rows.shape != src_rows.shape:
         raise ValueError("copy_rows: as many source tensors and rows as destinations")
     _lib().copy_rows_f32(dst, src, len(dst), dst_rows.data_ptr(), src_rows.data_ptr(), dst_rows.shape[0], row_floats)
+
+
+def ngram_match(tokens, min_n: int, max_n: int, prefer_end: int = -1) -> int:
+    """`specserve.spec_decode.ngram.find_ngram_match` in C (same result): tokens is a contiguous int64
+    numpy array [L]."""
+    if tokens.dtype.itemsize != 8 or tokens.dtype.kind != "i" or not tokens.flags.c_contiguous:
+        raise ValueError(f"ngram_match: tokens must be a contiguous int64 array, got {tokens.dtype}")
+    return _lib().ngram_match_i64(tokens.ctypes.data, tokens.shape[0], min_n, max_n, prefer_end)

@@ -9,6 +9,7 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.spec_decode.ngram import ONE_TOKEN_MATCH_MAX_DRAFTS, NgramProposer, find_ngram_draft, find_ngram_match
 from specserve.spec_decode.proposer import DraftInputs
+from specserve.worker import kernels
 
 
 def make_inputs(req_ids, token_ids, num_drafts, max_model_len=1 << 20, finished=()):
@@ -87,6 +88,34 @@ def test_int32_input_and_match_index():
     tokens = np.array([3, 1, 2, 3, 1, 2], dtype=np.int32)
     assert find_ngram_match(tokens, 2, 3) == 2
     assert find_ngram_draft(tokens, 2, 3, 2).tolist() == [3, 1]
+
+
+needs_c = pytest.mark.skipif(not kernels.kernel_enabled(), reason="specserve's C kernels do not build here")
+
+
+@needs_c
+def test_c_search_matches_numpy_on_random_sequences():
+    rng = random.Random(1)
+    for _ in range(3000):
+        size, alphabet = rng.randint(0, 60), rng.randint(1, 4)
+        tokens = np.array([rng.randrange(alphabet) for _ in range(size)], dtype=np.int64)
+        lo = rng.randint(1, 4)
+        hi, hint = rng.randint(lo, 8), rng.randint(-2, size + 1)
+        assert kernels.ngram_match(tokens, lo, hi, hint) == find_ngram_match(tokens, lo, hi, hint), (
+            tokens.tolist(), lo, hi, hint)
+
+
+@needs_c
+def test_c_search_refuses_other_dtypes_and_strided_views():
+    with pytest.raises(ValueError, match="int64"):
+        kernels.ngram_match(np.array([1, 2, 1], dtype=np.int32), 1, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.ngram_match(np.arange(10, dtype=np.int64)[::2], 1, 2)
+
+
+def test_proposer_uses_numpy_when_the_kernels_are_off(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_KERNELS", "torch")
+    assert proposer()._find_match is find_ngram_match
 
 
 # ---- the proposer ----------------------------------------------------------------------------

@@ -43,8 +43,7 @@ class DraftModelProposer:
         self.block_size = ctx["block_size"]
         num_blocks = -(-self.max_position // self.block_size) * 2 + ctx["num_blocks"]
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
-        self.kv_caches = [(hugepages.zeros(shape, self.model.dtype), hugepages.zeros(shape, self.model.dtype))
-                          for _ in range(self.model.num_layers)]
+        self.kv_caches = hugepages.kv_caches(shape, self.model.dtype, self.model.num_layers)
         self.attention_kernel = kernel_usable(self.model.dtype)
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.requests: dict[str, _DraftRequest] = {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import sys
 
 import torch
@@ -41,10 +42,7 @@ def _madvise_fn():
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype), its memory advised onto huge pages before it is first written."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel, itemsize = math.prod(shape), dtype.itemsize
     madvise = _madvise_fn()
     if madvise is None or numel * itemsize < MIN_BYTES:
         return torch.zeros(shape, dtype=dtype)
@@ -57,3 +55,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     out = raw[offset: offset + numel].view(shape)
     out.zero_()  # first touch: the kernel backs the advised range with huge pages where it can
     return out
+
+
+def kv_caches(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (key, value) pair of zeroed cache tensors per layer, on huge pages where available."""
+    return [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(num_layers)]

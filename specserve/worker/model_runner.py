@@ -86,8 +86,7 @@ class ModelRunner:
         self.draft_policy = draft_policy or DraftLengthPolicy()
         self.uses_mrope = getattr(model, "uses_mrope", False)
         shape = model.kv_cache_shape(num_blocks, block_size)
-        self.kv_caches = [(hugepages.zeros(shape, model.dtype), hugepages.zeros(shape, model.dtype))
-                          for _ in range(model.num_layers)]
+        self.kv_caches = hugepages.kv_caches(shape, model.dtype, model.num_layers)
         self.attention_kernel = kernel_usable(model.dtype)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}

@@ -364,3 +364,10 @@ def ngram_match(tokens, min_n: int, max_n: int, prefer_end: int = -1) -> int:
     if tokens.dtype.itemsize != 8 or tokens.dtype.kind != "i" or not tokens.flags.c_contiguous:
         raise ValueError(f"ngram_match: tokens must be a contiguous int64 array, got {tokens.dtype}")
     return _lib().ngram_match_i64(tokens.ctypes.data, tokens.shape[0], min_n, max_n, prefer_end)
+
+
+def ngram_match_at(address: int, size: int, min_n: int, max_n: int, prefer_end: int = -1) -> int:
+    """ngram_match on the `size` int64 tokens at `address`, which the caller keeps alive: for a history
+    buffer whose address is known, without numpy's `.ctypes` (~25 us a call once a forward pass has evicted
+    the caches, against ~15 us for the whole call through ctypes)."""
+    return _lib().ngram_match_i64(address, size, min_n, max_n, prefer_end)

@@ -165,6 +165,7 @@ def test_incremental_cache_equals_fresh_computation():
         hint = prev_end + len(history) - prev_size if prev_end >= 0 else -1
         assert got == find_ngram_draft(fresh, 1, 4, 3, hint).tolist()
         assert np.array_equal(p._histories["r"].buf[:len(history)], fresh)
+        assert p._histories["r"].address == p._histories["r"].buf.ctypes.data  # where the C search reads
         prev_end, prev_size = find_ngram_match(fresh, 1, 4, hint), len(history)
 
 

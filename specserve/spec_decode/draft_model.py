@@ -18,9 +18,8 @@ from specserve.models.registry import build_model
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_probs, random_sample
 from specserve.spec_decode.proposer import DraftInputs, Drafts
-from specserve.worker import hugepages
-from specserve.worker.attention import build_attention_metadata
-from specserve.worker.kernels import argmax_rows, copy_rows, kernel_usable, pointer_array
+from specserve.worker.attention import build_attention_metadata, kv_caches
+from specserve.worker.kernels import argmax_rows, copy_kv_rows, kernel_usable, pointer_array
 
 
 @dataclass
@@ -43,7 +42,7 @@ class DraftModelProposer:
         self.block_size = ctx["block_size"]
         num_blocks = -(-self.max_position // self.block_size) * 2 + ctx["num_blocks"]
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
-        self.kv_caches = hugepages.kv_caches(shape, self.model.dtype, self.model.num_layers)
+        self.kv_caches = kv_caches(shape, self.model.dtype, self.model.num_layers)
         self.attention_kernel = kernel_usable(self.model.dtype)
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.requests: dict[str, _DraftRequest] = {}
@@ -152,7 +151,8 @@ class DraftModelProposer:
             mine = [t for pair in self.kv_caches for t in pair]
             self._copy_pointers = (source, pointer_array(mine), pointer_array(list(source)))
         row_floats = self.kv_caches[0][0].shape[2] * self.kv_caches[0][0].shape[3]
-        copy_rows(self._copy_pointers[1], self._copy_pointers[2], torch.tensor(dst), torch.tensor(src), row_floats)
+        copy_kv_rows(self._copy_pointers[1], self._copy_pointers[2], torch.tensor(dst), torch.tensor(src), row_floats,
+                     bs)
 
     def _advance(self, inputs: DraftInputs, rows: list[int], last_tokens: list[int], step: int) -> torch.Tensor:
         """One token per request: the draft just proposed, at position len(history) + step."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specserve.worker import hugepages
 from specserve.worker.kernels import paged_attention_c
 
 # PyTorch path: queries up to this length are batched together with padding; longer ones run alone.
@@ -38,14 +39,14 @@ class ContextBlocks:
     length: int  # L: keys per request once read (padded to whole blocks when gathered)
 
     def read(self, cache: torch.Tensor) -> torch.Tensor:
-        """cache: [num_blocks, block_size, Hkv, D] -> [B, L, Hkv, D]."""
-        num_blocks, block_size = cache.shape[:2]
+        """cache: [num_blocks, block_size, Hkv, D] (either layout of kv_caches) -> [B, L, Hkv, D]."""
+        block_size = cache.shape[1]
         if self.block_ids is None:
             count = -(-self.length // block_size)
             run = cache[self.first_block: self.first_block + count]
-            return run.view(1, count * block_size, *cache.shape[2:])[:, : self.length]
-        rows = cache.view(num_blocks, -1).index_select(0, self.block_ids.view(-1))
-        return rows.view(self.block_ids.shape[0], -1, *cache.shape[2:])[:, : self.length]
+            return run.reshape(1, count * block_size, *cache.shape[2:])[:, : self.length]  # values: a view
+        rows = cache.index_select(0, self.block_ids.view(-1))
+        return rows.reshape(self.block_ids.shape[0], -1, *cache.shape[2:])[:, : self.length]
 
 
 def context_blocks(block_tables: list[list[int]], context_lens: list[int], block_size: int) -> ContextBlocks:
@@ -184,11 +185,27 @@ def _build_prefill(i, starts, query_lens, context_lens, block_tables, block_size
     return PrefillChunk(starts[i], starts[i] + q_len, context, mask)
 
 
+def kv_caches(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (key, value) pair of zeroed caches per layer, each indexed [num_blocks, block_size, Hkv, D] =
+    `shape`, on huge pages where available. Values are stored in that order; keys as [num_blocks, Hkv, D,
+    block_size] (the tensor is a permuted view of that), so the C kernel reads a block's 16 keys as one
+    vector per dimension."""
+    num_blocks, block_size, num_kv_heads, head_dim = shape
+    stored = (num_blocks, num_kv_heads, head_dim, block_size)
+    return [(hugepages.zeros(stored, dtype).permute(0, 3, 1, 2), hugepages.zeros(shape, dtype))
+            for _ in range(num_layers)]
+
+
+def kernel_key_layout(k_cache: torch.Tensor) -> torch.Tensor:
+    """A copy of a [num_blocks, block_size, Hkv, D] key cache stored as kv_caches stores keys."""
+    return k_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k_cache, v_cache: [num_blocks, block_size, Hkv, D]; k, v: [N, Hkv, D]."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    """k_cache, v_cache: [num_blocks, block_size, Hkv, D] (kv_caches' layouts); k, v: [N, Hkv, D]."""
+    num_kv_heads, head_dim, block_size = k.shape[1], k.shape[2], k_cache.shape[1]
+    k_cache[slot_mapping // block_size, slot_mapping % block_size] = k
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 

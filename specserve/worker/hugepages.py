@@ -55,8 +55,3 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     out = raw[offset: offset + numel].view(shape)
     out.zero_()  # first touch: the kernel backs the advised range with huge pages where it can
     return out
-
-
-def kv_caches(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (key, value) pair of zeroed cache tensors per layer, on huge pages where available."""
-    return [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(num_layers)]

@@ -122,7 +122,7 @@ def _bind(lib):
         "gemm_packed_f32": ([ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "gemm_packed_i8": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "argmax_rows_f32": ([ptr, i64, i64, ptr], None),
-        "copy_rows_f32": ([ptr, ptr, i64, ptr, ptr, i64, i64], None),
+        "copy_kv_rows_f32": ([ptr, ptr, i64, ptr, ptr, i64, i64, i64], None),
         "lm_head_argmax_f32": ([ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr], ctypes.c_int),
         "ngram_match_i64": ([ptr, i64, i64, i64, i64], ctypes.c_int64),
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
@@ -152,12 +152,14 @@ def paged_attention_c(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
                           context_len: torch.Tensor, scale: float) -> None:
     """Write the attention output of the listed requests' query tokens (any query length) into `out`.
 
-    q: [N, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_table: [S, W] int64;
-    query_start, query_len, context_len: [S] int64. All fp32/int64 and contiguous.
+    q: [N, H, D]; caches: [num_blocks, block_size, Hkv, D] in attention.kv_caches' layouts (values
+    contiguous, keys transposed within each block); block_table: [S, W] int64; query_start, query_len,
+    context_len: [S] int64. All fp32/int64, the rest contiguous.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    _check(q=q, out=out, k_cache=k_cache, v_cache=v_cache)
+    _check(q=q, out=out, v_cache=v_cache)
+    _check(k_cache=k_cache.permute(0, 2, 3, 1))  # stored [num_blocks, Hkv, D, block_size]
     _check(torch.int64, block_table=block_table, query_start=query_start, query_len=query_len,
            context_len=context_len)
     failed = _lib().paged_attention_f32(
@@ -349,13 +351,15 @@ def pointer_array(tensors: list[torch.Tensor]):
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
 
-def copy_rows(dst, src, dst_rows: torch.Tensor, src_rows: torch.Tensor, row_floats: int) -> None:
-    """dst[t] row dst_rows[i] = src[t] row src_rows[i] for every tensor t (pointer_array's of equally
-    many contiguous fp32 tensors viewed as rows of row_floats floats); rows: [n] int64."""
+def copy_kv_rows(dst, src, dst_rows: torch.Tensor, src_rows: torch.Tensor, row_floats: int, block_size: int) -> None:
+    """Slots dst_rows[i] of every layer's key and value caches = slots src_rows[i] of the source's: dst, src
+    are pointer_array's of fp32 caches, keys and values alternating (attention.kv_caches' layouts), a slot
+    holding row_floats floats (num_kv_heads * head_dim); rows: [n] int64."""
     _check(torch.int64, dst_rows=dst_rows, src_rows=src_rows)
-    if len(dst) != len(src) or dst_rows.shape != src_rows.shape:
-        raise ValueError("copy_rows: as many source tensors and rows as destinations")
-    _lib().copy_rows_f32(dst, src, len(dst), dst_rows.data_ptr(), src_rows.data_ptr(), dst_rows.shape[0], row_floats)
+    if len(dst) != len(src) or len(dst) % 2 or dst_rows.shape != src_rows.shape:
+        raise ValueError("copy_kv_rows: as many (key, value) source caches and rows as destinations")
+    _lib().copy_kv_rows_f32(dst, src, len(dst) // 2, dst_rows.data_ptr(), src_rows.data_ptr(), dst_rows.shape[0],
+                            row_floats, block_size)
 
 
 def ngram_match(tokens, min_n: int, max_n: int, prefer_end: int = -1) -> int:

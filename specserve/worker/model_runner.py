@@ -17,8 +17,7 @@ from specserve.sample.sampler import Sampler
 from specserve.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
 from specserve.spec_decode.policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import DraftInputs
-from specserve.worker import hugepages
-from specserve.worker.attention import AttentionMetadata, build_attention_metadata
+from specserve.worker.attention import AttentionMetadata, build_attention_metadata, kv_caches
 from specserve.worker.kernels import kernel_usable
 from specserve.worker.threads import ThreadPolicy
 
@@ -86,7 +85,7 @@ class ModelRunner:
         self.draft_policy = draft_policy or DraftLengthPolicy()
         self.uses_mrope = getattr(model, "uses_mrope", False)
         shape = model.kv_cache_shape(num_blocks, block_size)
-        self.kv_caches = hugepages.kv_caches(shape, model.dtype, model.num_layers)
+        self.kv_caches = kv_caches(shape, model.dtype, model.num_layers)
         self.attention_kernel = kernel_usable(model.dtype)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}

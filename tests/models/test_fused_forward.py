@@ -4,7 +4,7 @@ import torch
 
 from specserve.models.registry import build_model
 from specserve.worker import kernels
-from specserve.worker.attention import build_attention_metadata
+from specserve.worker.attention import build_attention_metadata, kv_caches
 from tests.models.test_qwen2_vl_parity import tiny_qwen2_vl
 from tests.tiny_models import hf_config_dict, hf_state_dict, tiny_hf_model
 
@@ -20,7 +20,7 @@ def _run(model, fused: bool, mrope: bool):
     """Hidden states of every step and the KV caches after them."""
     model.fused_forward = fused
     shape = model.kv_cache_shape(16, BLOCK)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)]
+    caches = kv_caches(shape, torch.float32, model.num_layers)
     tables = {0: [3, 0, 5, 7], 1: [1, 2]}
     g = torch.Generator().manual_seed(5)
     tokens = {r: torch.randint(0, model.config.vocab_size, (60,), generator=g) for r in tables}

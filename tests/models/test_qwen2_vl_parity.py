@@ -6,7 +6,7 @@ import torch
 
 from specserve.models.qwen2_vl import MRotaryEmbedding, Qwen2VLForCausalLM, text_mrope_positions
 from specserve.models.registry import build_model
-from specserve.worker.attention import build_attention_metadata
+from specserve.worker.attention import build_attention_metadata, kv_caches
 from specserve.worker.model_runner import ModelRunner
 from tests.paged_harness import max_logit_errors
 from tests.tiny_models import hf_config_dict, hf_state_dict, perturb_norms_and_biases, tiny_hf_model
@@ -61,8 +61,7 @@ def _prefill_logits(model, tokens: list[int], positions: torch.Tensor) -> torch.
     n, block_size = len(tokens), 4
     blocks = list(range(-(-n // block_size)))
     meta = build_attention_metadata([n], [n], [blocks], block_size, torch.arange(n))
-    caches = [(torch.zeros(model.kv_cache_shape(len(blocks), block_size)),
-               torch.zeros(model.kv_cache_shape(len(blocks), block_size))) for _ in range(model.num_layers)]
+    caches = kv_caches(model.kv_cache_shape(len(blocks), block_size), torch.float32, model.num_layers)
     with torch.inference_mode():
         hidden, _ = model.forward(torch.tensor(tokens), positions, meta, caches)
         return model.compute_logits(hidden)

@@ -77,5 +77,5 @@ def test_a_self_draft_takes_the_targets_kv_instead_of_recomputing_it(default_ggu
         t_slot = target_table[p // bs] * bs + p % bs
         d_slot = state.block_ids[p // bs] * bs + p % bs
         for (tk, tv), (dk, dv) in zip(runner.kv_caches, drafter.kv_caches):
-            assert torch.equal(tk.view(-1, *tk.shape[2:])[t_slot], dk.view(-1, *dk.shape[2:])[d_slot])
-            assert torch.equal(tv.view(-1, *tv.shape[2:])[t_slot], dv.view(-1, *dv.shape[2:])[d_slot])
+            assert torch.equal(tk[t_slot // bs, t_slot % bs], dk[d_slot // bs, d_slot % bs])
+            assert torch.equal(tv[t_slot // bs, t_slot % bs], dv[d_slot // bs, d_slot % bs])

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from specserve.worker import kernels
-from specserve.worker.attention import build_attention_metadata, context_blocks, paged_attention
+from specserve.worker.attention import (build_attention_metadata, context_blocks, kernel_key_layout, kv_caches,
+                                        paged_attention)
 
 BLOCK_SIZE, NUM_BLOCKS, H, HKV, D = 16, 64, 6, 2, 64
 
@@ -42,6 +43,7 @@ def _run(query_lens, context_lens, block_tables, use_kernel=False, seed=0, head_
         full_k.append(k)
         full_v.append(v)
         slots += ctx_slots[c_len - q_len:]
+    k_cache = kernel_key_layout(k_cache)  # as the engine stores keys (both paths read it)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=g)
     step_k = torch.cat([k[c - n:] for k, n, c in zip(full_k, query_lens, context_lens)])
     step_v = torch.cat([v[c - n:] for v, n, c in zip(full_v, query_lens, context_lens)])
@@ -108,7 +110,7 @@ def test_kernel_rows_do_not_depend_on_the_batch_thread_count_or_query_length():
     after another) take the same arithmetic: a token's output is bitwise the same however it is scheduled."""
     num_blocks = 256
     g = torch.Generator().manual_seed(5)
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, HKV, D, generator=g)
+    k_cache = kernel_key_layout(torch.randn(num_blocks, BLOCK_SIZE, HKV, D, generator=g))
     v_cache = torch.randn(num_blocks, BLOCK_SIZE, HKV, D, generator=g)
     context_lens = [700, 300, 260, 129, 40]
     tables = _scattered_tables(context_lens, num_blocks=num_blocks)
@@ -122,7 +124,7 @@ def test_kernel_rows_do_not_depend_on_the_batch_thread_count_or_query_length():
             slots += [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c - n, c)]
             q_rows.append(q_all[i][c - n:])
         flat = torch.tensor(slots, dtype=torch.long)
-        k, v = k_cache.view(-1, HKV, D)[flat], v_cache.view(-1, HKV, D)[flat]  # rewrite what is there
+        k, v = k_cache.reshape(-1, HKV, D)[flat], v_cache.view(-1, HKV, D)[flat]  # rewrite what is there
         meta = build_attention_metadata([n for _, n in reqs], [context_lens[i] for i, _ in reqs],
                                         [tables[i] for i, _ in reqs], BLOCK_SIZE, flat, use_kernel=True)
         out = paged_attention(torch.cat(q_rows), k, v, k_cache, v_cache, meta, 0.125)
@@ -144,7 +146,7 @@ def test_kernel_rows_do_not_depend_on_the_batch_thread_count_or_query_length():
 @pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler")
 def test_kernel_rows_are_bitwise_the_same_alone_and_in_a_batch():
     g = torch.Generator().manual_seed(3)
-    k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=g)
+    k_cache = kernel_key_layout(torch.randn(NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=g))
     v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=g)
     query_lens, context_lens = [1, 5, 1, 3], [9, 14, 130, 40]
     tables = _scattered_tables(context_lens)
@@ -154,7 +156,7 @@ def test_kernel_rows_are_bitwise_the_same_alone_and_in_a_batch():
 
     def attend(rows):
         flat = torch.tensor([s for i in rows for s in slots[i]], dtype=torch.long)
-        k, v = k_cache.view(-1, HKV, D)[flat], v_cache.view(-1, HKV, D)[flat]  # rewrite what is there
+        k, v = k_cache.reshape(-1, HKV, D)[flat], v_cache.view(-1, HKV, D)[flat]  # rewrite what is there
         meta = build_attention_metadata([query_lens[i] for i in rows], [context_lens[i] for i in rows],
                                         [tables[i] for i in rows], BLOCK_SIZE, flat, use_kernel=True)
         starts = [sum(query_lens[:i]) for i in rows]
@@ -177,6 +179,7 @@ def test_single_request_on_consecutive_blocks_reads_a_view(q_len, use_kernel):
     assert ctx.block_ids is None and ctx.first_block == 7 and ctx.length == c_len
     cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, HKV, D)
     assert ctx.read(cache).data_ptr() == cache[7].data_ptr()  # no copy
+    assert torch.equal(ctx.read(kernel_key_layout(cache)), ctx.read(cache))  # keys as the engine stores them
     _run([q_len], [c_len], [table], use_kernel)
 
 
@@ -187,4 +190,24 @@ def test_gathered_context_pads_to_whole_blocks_and_masks_the_rest():
     read = ctx.read(cache).view(2, -1)
     assert read[0, :6].tolist() == [20, 21, 22, 23, 12, 13]
     assert read[1, :10].tolist() == list(range(36, 46))
+    keys = torch.arange(NUM_BLOCKS * 4 * 2 * 3, dtype=torch.float32).view(NUM_BLOCKS, 4, 2, 3)
+    assert torch.equal(ctx.read(kernel_key_layout(keys)), ctx.read(keys))
     _run([1, 2], [6, 10], [[5, 3], [9, 10, 11]], block_size=4)
+
+
+def test_kv_caches_store_values_by_token_and_keys_transposed_within_blocks():
+    caches = kv_caches((4, 16, 3, 64), torch.float32, num_layers=3)
+    assert len(caches) == 3 and all(k.shape == v.shape == (4, 16, 3, 64) for k, v in caches)
+    assert len({t.data_ptr() for pair in caches for t in pair}) == 6
+    k, v = caches[0]
+    assert v.is_contiguous() and k.permute(0, 2, 3, 1).is_contiguous() and not (k.any() or v.any())
+    assert k.stride() == (16 * 3 * 64, 1, 64 * 16, 16)  # [block][head][dim][slot]
+
+
+@pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler")
+def test_kernel_refuses_keys_stored_by_token():
+    k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, HKV, D)
+    meta = build_attention_metadata([1], [5], [[0]], BLOCK_SIZE, torch.tensor([4]), use_kernel=True)
+    with pytest.raises(ValueError, match="k_cache"):
+        paged_attention(torch.zeros(1, H, D), torch.zeros(1, HKV, D), torch.zeros(1, HKV, D), k_cache,
+                        torch.zeros_like(k_cache), meta, 0.125)

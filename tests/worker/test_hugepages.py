@@ -27,9 +27,3 @@ def test_without_madvise_it_is_an_ordinary_tensor(monkeypatch):
     t = hugepages.zeros((800, 16, 3, 64), torch.float32)
     assert t.shape == (800, 16, 3, 64) and not t.any()
     assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * 4
-
-
-def test_kv_caches_are_distinct_pairs_per_layer():
-    caches = hugepages.kv_caches((4, 16, 3, 64), torch.float32, num_layers=3)
-    assert len(caches) == 3 and all(k.shape == v.shape == (4, 16, 3, 64) for k, v in caches)
-    assert len({t.data_ptr() for pair in caches for t in pair}) == 6

@@ -5,7 +5,7 @@
  *
  * Layouts (fp32, contiguous): x [N, hidden] (the embeddings; used as the residual stream and
  * overwritten), out [N, hidden] (the final norm's output), cos/sin [N, head_dim], slot_mapping [N],
- * attention metadata as in paged_attention.c, caches [num_blocks, block_size, num_kv_heads, head_dim].
+ * attention metadata as in paged_attention.c, caches as there (keys transposed within each block).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -59,7 +59,7 @@ int decoder_forward_f32(const layer_t *layers, int64_t num_layers, float *x, flo
         for (int64_t t = 0; t < N; t++) {
             const float *row = qkv + t * qkv_size;
             memcpy(q + t * q_size, row, sizeof(float) * q_size);
-            memcpy(L->k_cache + slot_mapping[t] * kv_size, row + q_size, sizeof(float) * kv_size);
+            store_key(L->k_cache, slot_mapping[t], row + q_size, kv_size, block_size);
             memcpy(L->v_cache + slot_mapping[t] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
         }
         failed = paged_attention_f32(q, attn, L->k_cache, L->v_cache, block_table, table_width, query_start,

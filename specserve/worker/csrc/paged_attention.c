@@ -14,7 +14,9 @@
  * Layouts (fp32, contiguous):
  *   q            [num_tokens, num_heads, head_dim]
  *   out          [num_tokens, num_heads * head_dim]   (rows of the listed requests are written)
- *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
+ *   k cache      [num_blocks, num_kv_heads, head_dim, block_size]: each block's keys transposed, so the
+ *                16 keys of a block are one vector per dimension (see partial_tile_vec, pass 1)
+ *   v cache      [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_table  [num_seqs, table_width] int64
  *   query_start, query_len, context_len  [num_seqs] int64
  * Query j of request s sits at absolute position context_len - query_len + j and attends to keys
@@ -50,7 +52,7 @@ static void attend_one(const float *q, float *out, const float *k_cache, const f
     memset(acc, 0, sizeof(float) * rows * head_dim);
     const int64_t num_blocks = (c_len + block_size - 1) / block_size;
     for (int64_t b = 0; b < num_blocks; b++) {
-        const float *kb = k_cache + table[b] * block_stride + kvh * head_dim;
+        const float *kb = k_cache + table[b] * block_stride + kvh * head_dim * block_size; /* [head_dim][block_size] */
         const float *vb = v_cache + table[b] * block_stride + kvh * head_dim;
         const int64_t base = b * block_size;
         for (int64_t r = 0; r < rows; r++) {
@@ -61,10 +63,9 @@ static void attend_one(const float *q, float *out, const float *k_cache, const f
             const float *qr = q + ((q_start + j) * num_heads + kvh * group + g) * head_dim;
             float mb = -INFINITY;
             for (int64_t t = 0; t < n; t++) {
-                const float *kt = kb + t * token_stride;
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < head_dim; d++) s += qr[d] * kt[d];
+                for (int64_t d = 0; d < head_dim; d++) s += qr[d] * kb[d * block_size + t];
                 s *= scale;
                 scores[t] = s;
                 mb = s > mb ? s : mb;
@@ -104,10 +105,9 @@ static void attend_one(const float *q, float *out, const float *k_cache, const f
 }
 
 /* ---- Vector path: block_size 16, head_dim = 16 * NC (NC <= 8); one (request, head) pair per work item --
- * GCC vector extensions (zmm on AVX-512, pairs of ymm on AVX2). Per query row, the running max, sum and
- * the head_dim accumulator stay in registers over the whole context. Per block of 16 keys the 16 dot
- * products come out of one transpose-and-add tree as one vector of scores, so max, exp and sum run on
- * whole vectors. */
+ * GCC vector extensions (zmm on AVX-512, pairs of ymm on AVX2). A block's 16 keys are stored dimension by
+ * dimension, so a row's 16 scores accumulate as one vector (a broadcast query element times one key vector
+ * per dimension) and max, exp and sum run on whole vectors. */
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 
@@ -155,24 +155,6 @@ static inline vf exp_vf(vf x) {
     return (vf)((vi)res & keep);
 }
 
-/* x[i] holds the 16 partial sums of key BITREV[i]; returns lane t = the full sum for key t. */
-static const int BITREV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-
-static inline vf transpose_sum16(const vf x[16]) {
-    const vi lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const vi lo2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-    const vi lo3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-    const vi lo4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-    vf e[8], f[4], g[2];
-    for (int i = 0; i < 8; i++)
-        e[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo1) + __builtin_shuffle(x[2 * i], x[2 * i + 1], lo1 + 8);
-    for (int i = 0; i < 4; i++)
-        f[i] = __builtin_shuffle(e[2 * i], e[2 * i + 1], lo2) + __builtin_shuffle(e[2 * i], e[2 * i + 1], lo2 + 4);
-    for (int i = 0; i < 2; i++)
-        g[i] = __builtin_shuffle(f[2 * i], f[2 * i + 1], lo3) + __builtin_shuffle(f[2 * i], f[2 * i + 1], lo3 + 2);
-    return __builtin_shuffle(g[0], g[1], lo4) + __builtin_shuffle(g[0], g[1], lo4 + 1);
-}
-
 /* ---- Keys in chunks ----
  * A row's keys are taken in fixed chunks of CHUNK_BLOCKS blocks (128 keys): each chunk gives a partial
  * (running max m, sum l, unnormalized accumulator) from a fresh start, and the partials are folded in
@@ -182,14 +164,78 @@ static inline vf transpose_sum16(const vf x[16]) {
  * every core streams keys and values, instead of each core walking one kv head's blocks alone). */
 #define CHUNK_BLOCKS 8
 
-/* Start loading floats [h0, h1) of each of a block's 16 tokens (its kv heads in use) into the cache. */
-static inline void prefetch_block(const float *block, int64_t token_stride, int64_t h0, int64_t h1) {
+/* Start loading floats [h0, h1) of each of a value block's 16 tokens (its kv heads in use) into the cache. */
+static inline void prefetch_values(const float *block, int64_t token_stride, int64_t h0, int64_t h1, int locality) {
     for (int t = 0; t < 16; t++)
-        for (int64_t c = h0; c < h1; c += 16) __builtin_prefetch(block + t * token_stride + c);
+        for (int64_t c = h0; c < h1; c += 16) __builtin_prefetch(block + t * token_stride + c, 0, locality);
+}
+
+/* The same for a key block, whose kv heads h0 / dim .. h1 / dim are contiguous ([kv head][dim][16 keys]). */
+static inline void prefetch_keys(const float *block, int64_t h0, int64_t h1, int locality) {
+    for (int64_t c = 16 * h0; c < 16 * h1; c += 16) __builtin_prefetch(block + c, 0, locality);
 }
 
 #define CHUNK_KEYS (16 * CHUNK_BLOCKS)
 #define TILE_ROWS 32 /* rows whose scores for one chunk are held at once (TILE_ROWS * CHUNK_KEYS floats) */
+/* Rows sharing each load of a key or value vector: their accumulators (4 vectors a row) stay in registers.
+ * Against one row at a time, with keys stored token by token and each row's 16 dot products reduced by a
+ * transpose-and-add tree: 9-11% less kernel time at 2-9 query tokens, 3% at one (2 threads, 1000-token
+ * context, blocks scattered over the pool, interleaved medians). */
+#define GROUP_ROWS 6
+
+/* Scores of `rows` rows for one block's 16 keys (stored [dim][16]): out[r * CHUNK_KEYS + t] =
+ * sum_d qs[r * dim + d] * kb[d * 16 + t], summed in four chains (d mod 4) then (c0 + c1) + (c2 + c3). */
+static inline __attribute__((always_inline)) void qk_rows(const float *kb, const float *qs, float *out,
+                                                          const int rows, const int NC) {
+    const int dim = 16 * NC;
+    vf a[GROUP_ROWS][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) a[r][j] = (vf){0};
+#pragma GCC unroll 4
+    for (int d = 0; d < dim; d += 4) {
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const vf kv = load_vf(kb + (d + j) * 16);
+#pragma GCC unroll 8
+            for (int r = 0; r < rows; r++) a[r][j] += qs[r * dim + d + j] * kv;
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) {
+        const vf s = (a[r][0] + a[r][1]) + (a[r][2] + a[r][3]);
+        memcpy(out + r * CHUNK_KEYS, &s, sizeof s);
+    }
+}
+
+/* acc[row] += sum over keys t in [t0, t1) of p[row][t] * v[t], t in order, one FMA per 16 floats per key:
+ * rows at acc + row * acc_stride with their probabilities at p + row * CHUNK_KEYS. */
+static inline __attribute__((always_inline)) void pv_rows(const float *vb, int64_t token_stride, const float *p,
+                                                          float *acc, int64_t acc_stride, const int rows, int64_t t0,
+                                                          int64_t t1, const int NC) {
+    vf a[GROUP_ROWS * 8];
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; c++) a[r * NC + c] = load_vf(acc + r * acc_stride + 16 * c);
+    for (int64_t t = t0; t < t1; t++) {
+        const float *vt = vb + t * token_stride;
+        vf v[8];
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; c++) v[c] = load_vf(vt + 16 * c);
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            const float pr = p[r * CHUNK_KEYS + t];
+#pragma GCC unroll 8
+            for (int c = 0; c < NC; c++) a[r * NC + c] += pr * v[c];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; c++) memcpy(acc + r * acc_stride + 16 * c, &a[r * NC + c], sizeof(vf));
+}
 
 /* Partial attention of rows r0..r1-1 (r1 - r0 <= TILE_ROWS) of one request over the keys of blocks
  * [b0, b1) (one chunk), each row from a fresh start, into st (row r at st + (r - r0) * (dim + 2)). Row r is
@@ -214,12 +260,10 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
      * block by block then ran 30-50% slower than over consecutive blocks. Measured (2 threads, 1000-token
      * context, 30 layers of caches): with scattered blocks 15-20% less time at 1-9 query rows; with
      * consecutive blocks ~5%. */
-    for (int64_t b = b0; b < b1; b++)
-        for (int t = 0; t < 16; t++)
-            for (int64_t c = h0; c < h1; c += 16) {
-                __builtin_prefetch(k_cache + table[b] * block_stride + t * token_stride + c, 0, 2);
-                __builtin_prefetch(v_cache + table[b] * block_stride + t * token_stride + c, 0, 2);
-            }
+    for (int64_t b = b0; b < b1; b++) {
+        prefetch_keys(k_cache + table[b] * block_stride, h0, h1, 2);
+        prefetch_values(v_cache + table[b] * block_stride, token_stride, h0, h1, 2);
+    }
     /* Per row, once: the keys it sees, its query, its kv head's offset within a token (no integer
      * divisions in the block loops: 3-4% of the kernel's time) */
     int64_t lim[TILE_ROWS], qoff[TILE_ROWS], hoff[TILE_ROWS];
@@ -229,40 +273,37 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
         qoff[r - r0] = ((q_start + j) * num_heads + h) * dim;
         hoff[r - r0] = h / group * dim;
     }
-    /* 1. scores: sc[(r - r0) * CHUNK_KEYS + (b - b0) * 16 + t], -inf past the row's position */
+    /* 1. scores: sc[(r - r0) * CHUNK_KEYS + (b - b0) * 16 + t], -inf past the row's position: a row's 16
+     * scores are sum_d q[d] * (the block's keys' dimension d), for groups of rows sharing each key vector's
+     * load (the rows are of one kv head; rows that see none of the block's keys are masked like the rest). */
+    float qs[TILE_ROWS * 16 * 8]; /* the rows' queries times the scale */
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t d = 0; d < dim; d++) qs[(r - r0) * dim + d] = q[qoff[r - r0] + d] * scale;
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = b * 16;
-        if (b + 1 < b1) prefetch_block(k_cache + table[b + 1] * block_stride, token_stride, h0, h1); /* next keys */
-        for (int64_t r = r0; r < r1; r++) {
-            const int64_t limit = lim[r - r0]; /* keys this row sees */
-            float *sr = sc + (r - r0) * CHUNK_KEYS + (b - b0) * 16;
-            if (limit <= base) {
-                memcpy(sr, &neg_inf, sizeof neg_inf);
-                continue;
+        if (b + 1 < b1) prefetch_keys(k_cache + table[b + 1] * block_stride, h0, h1, 3);
+        const float *kb = k_cache + table[b] * block_stride + 16 * hoff[0];
+        for (int64_t g0 = r0; g0 < r1; g0 += GROUP_ROWS) {
+            const int64_t g1 = g0 + GROUP_ROWS < r1 ? g0 + GROUP_ROWS : r1;
+            float *sg = sc + (g0 - r0) * CHUNK_KEYS + (b - b0) * 16;
+            const float *qg = qs + (g0 - r0) * dim;
+            switch (g1 - g0) {
+                case 6: qk_rows(kb, qg, sg, 6, NC); break;
+                case 5: qk_rows(kb, qg, sg, 5, NC); break;
+                case 4: qk_rows(kb, qg, sg, 4, NC); break;
+                case 3: qk_rows(kb, qg, sg, 3, NC); break;
+                case 2: qk_rows(kb, qg, sg, 2, NC); break;
+                default: qk_rows(kb, qg, sg, 1, NC); break;
             }
-            const int64_t n = limit - base < 16 ? limit - base : 16;
-            const float *kb = k_cache + table[b] * block_stride + hoff[r - r0];
-            const float *qr = q + qoff[r - r0];
-            vf qv[8];
-            for (int c = 0; c < NC; c++) qv[c] = load_vf(qr + 16 * c) * scale;
-            vf x[16];
-            for (int i = 0; i < 16; i++) {
-                const int t = BITREV[i];
-                if (t >= n) {
-                    x[i] = (vf){0};
-                    continue;
-                }
-                const float *kt = kb + t * token_stride;
-                vf d = qv[0] * load_vf(kt);
-                for (int c = 1; c < NC; c++) d += qv[c] * load_vf(kt + 16 * c);
-                x[i] = d;
-            }
-            vf s = transpose_sum16(x);
-            if (n < 16) {
+            for (int64_t r = g0; r < g1; r++) {
+                const int64_t n = lim[r - r0] - base;
+                if (n >= 16) continue;
+                float *sr = sc + (r - r0) * CHUNK_KEYS + (b - b0) * 16;
+                vf s = load_vf(sr);
                 const vi beyond = lane >= (float)n;
                 s = (vf)(((vi)s & ~beyond) | ((vi)neg_inf & beyond));
+                memcpy(sr, &s, sizeof s);
             }
-            memcpy(sr, &s, sizeof s);
         }
     }
     /* 2. per row: m = the max over the chunk, scores -> exp(score - m), l = their sum */
@@ -286,37 +327,39 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
         }
         ar[dim + 1] = hsum(lsum);
     }
-    /* 3. acc += p * v, key by key in order (two accumulator sets, pairs of keys) */
+    /* 3. acc += p * v, key by key in order, one FMA chain per 16 floats of a row: rows in groups that
+     * share each value vector's load, over the keys every row of the group sees; then each row alone over
+     * the rest of its keys (same order, so the same numbers as a row alone). */
+    const int group_rows = NC <= 4 ? GROUP_ROWS : GROUP_ROWS / 2; /* accumulators: at most 24 vectors */
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = b * 16;
-        if (b + 1 < b1) prefetch_block(v_cache + table[b + 1] * block_stride, token_stride, h0, h1); /* next values */
-        for (int64_t r = r0; r < r1; r++) {
-            const int64_t limit = lim[r - r0];
-            if (limit <= base) continue;
-            const int64_t n = limit - base < 16 ? limit - base : 16;
-            const float *vb = v_cache + table[b] * block_stride + hoff[r - r0];
-            const float *ps = sc + (r - r0) * CHUNK_KEYS + (b - b0) * 16;
-            float *ar = st + (r - r0) * stride;
-            vf acc[8], acc2[8];
-            for (int c = 0; c < NC; c++) {
-                acc[c] = load_vf(ar + 16 * c);
-                acc2[c] = (vf){0};
+        if (b + 1 < b1) prefetch_values(v_cache + table[b + 1] * block_stride, token_stride, h0, h1, 3);
+        const float *ps = sc + (b - b0) * 16;
+        for (int64_t g0 = r0; g0 < r1; g0 += group_rows) {
+            const int64_t g1 = g0 + group_rows < r1 ? g0 + group_rows : r1;
+            const float *vb = v_cache + table[b] * block_stride + hoff[g0 - r0];
+            int64_t common = 16;
+            for (int64_t r = g0; r < g1; r++) {
+                const int64_t n = lim[r - r0] - base;
+                common = n < common ? n : common;
             }
-            int64_t t = 0;
-            for (; t + 1 < n; t += 2) {
-                const float *v0 = vb + t * token_stride, *v1 = v0 + token_stride;
-                for (int c = 0; c < NC; c++) {
-                    acc[c] += ps[t] * load_vf(v0 + 16 * c);
-                    acc2[c] += ps[t + 1] * load_vf(v1 + 16 * c);
-                }
+            if (common < 0) common = 0;
+            float *ag = st + (g0 - r0) * stride;
+            const float *pg = ps + (g0 - r0) * CHUNK_KEYS;
+            switch (g1 - g0) {
+                case 6: pv_rows(vb, token_stride, pg, ag, stride, 6, 0, common, NC); break;
+                case 5: pv_rows(vb, token_stride, pg, ag, stride, 5, 0, common, NC); break;
+                case 4: pv_rows(vb, token_stride, pg, ag, stride, 4, 0, common, NC); break;
+                case 3: pv_rows(vb, token_stride, pg, ag, stride, 3, 0, common, NC); break;
+                case 2: pv_rows(vb, token_stride, pg, ag, stride, 2, 0, common, NC); break;
+                default: pv_rows(vb, token_stride, pg, ag, stride, 1, 0, common, NC); break;
             }
-            if (t < n) {
-                const float *v0 = vb + t * token_stride;
-                for (int c = 0; c < NC; c++) acc[c] += ps[t] * load_vf(v0 + 16 * c);
-            }
-            for (int c = 0; c < NC; c++) {
-                const vf sum = acc[c] + acc2[c];
-                memcpy(ar + 16 * c, &sum, sizeof sum);
+            for (int64_t r = g0; r < g1; r++) {
+                int64_t n = lim[r - r0] - base;
+                n = n < 16 ? n : 16;
+                if (n > common)
+                    pv_rows(vb, token_stride, ps + (r - r0) * CHUNK_KEYS, st + (r - r0) * stride, stride, 1, common,
+                            n, NC);
             }
         }
     }

@@ -19,6 +19,8 @@ int paged_attention_f32(const float *q, float *out, const float *k_cache, const 
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                         float scale);
 
+void store_key(float *k_cache, int64_t slot, const float *key, int64_t row_floats, int64_t block_size);
+
 void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t *out);
 
 #endif

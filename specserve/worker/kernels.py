@@ -159,7 +159,9 @@ def paged_attention_c(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     _check(q=q, out=out, v_cache=v_cache)
-    _check(k_cache=k_cache.permute(0, 2, 3, 1))  # stored [num_blocks, Hkv, D, block_size]
+    if k_cache.dtype != torch.float32 or not k_cache.permute(0, 2, 3, 1).is_contiguous():
+        raise ValueError("C kernel: k_cache must be fp32 and stored [num_blocks, Hkv, D, block_size] (a permuted "
+                         f"view, as attention.kv_caches makes it), got {k_cache.dtype} with strides {k_cache.stride()}")
     _check(torch.int64, block_table=block_table, query_start=query_start, query_len=query_len,
            context_len=context_len)
     failed = _lib().paged_attention_f32(

@@ -164,15 +164,23 @@ static inline vf exp_vf(vf x) {
  * every core streams keys and values, instead of each core walking one kv head's blocks alone). */
 #define CHUNK_BLOCKS 8
 
-/* Start loading floats [h0, h1) of each of a value block's 16 tokens (its kv heads in use) into the cache. */
-static inline void prefetch_values(const float *block, int64_t token_stride, int64_t h0, int64_t h1, int locality) {
+/* Start loading a cache line into L1 (to_l1) or L2 (__builtin_prefetch's locality must be a constant). */
+static inline void prefetch_line(const float *p, int to_l1) {
+    if (to_l1)
+        __builtin_prefetch(p, 0, 3);
+    else
+        __builtin_prefetch(p, 0, 2);
+}
+
+/* Start loading floats [h0, h1) of each of a value block's 16 tokens (its kv heads in use). */
+static inline void prefetch_values(const float *block, int64_t token_stride, int64_t h0, int64_t h1, int to_l1) {
     for (int t = 0; t < 16; t++)
-        for (int64_t c = h0; c < h1; c += 16) __builtin_prefetch(block + t * token_stride + c, 0, locality);
+        for (int64_t c = h0; c < h1; c += 16) prefetch_line(block + t * token_stride + c, to_l1);
 }
 
 /* The same for a key block, whose kv heads h0 / dim .. h1 / dim are contiguous ([kv head][dim][16 keys]). */
-static inline void prefetch_keys(const float *block, int64_t h0, int64_t h1, int locality) {
-    for (int64_t c = 16 * h0; c < 16 * h1; c += 16) __builtin_prefetch(block + c, 0, locality);
+static inline void prefetch_keys(const float *block, int64_t h0, int64_t h1, int to_l1) {
+    for (int64_t c = 16 * h0; c < 16 * h1; c += 16) prefetch_line(block + c, to_l1);
 }
 
 #define CHUNK_KEYS (16 * CHUNK_BLOCKS)
@@ -182,6 +190,17 @@ static inline void prefetch_keys(const float *block, int64_t h0, int64_t h1, int
  * transpose-and-add tree: 9-11% less kernel time at 2-9 query tokens, 3% at one (2 threads, 1000-token
  * context, blocks scattered over the pool, interleaved medians). */
 #define GROUP_ROWS 6
+
+/* CALL(rows) with rows = n (1..GROUP_ROWS) as a compile-time constant, so the accumulators stay in registers. */
+#define FOR_GROUP_SIZE(n, CALL)      \
+    switch (n) {                     \
+        case 6: CALL(6); break;      \
+        case 5: CALL(5); break;      \
+        case 4: CALL(4); break;      \
+        case 3: CALL(3); break;      \
+        case 2: CALL(2); break;      \
+        default: CALL(1); break;     \
+    }
 
 /* Scores of `rows` rows for one block's 16 keys (stored [dim][16]): out[r * CHUNK_KEYS + t] =
  * sum_d qs[r * dim + d] * kb[d * 16 + t], summed in four chains (d mod 4) then (c0 + c1) + (c2 + c3). */
@@ -261,8 +280,8 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
      * context, 30 layers of caches): with scattered blocks 15-20% less time at 1-9 query rows; with
      * consecutive blocks ~5%. */
     for (int64_t b = b0; b < b1; b++) {
-        prefetch_keys(k_cache + table[b] * block_stride, h0, h1, 2);
-        prefetch_values(v_cache + table[b] * block_stride, token_stride, h0, h1, 2);
+        prefetch_keys(k_cache + table[b] * block_stride, h0, h1, 0);
+        prefetch_values(v_cache + table[b] * block_stride, token_stride, h0, h1, 0);
     }
     /* Per row, once: the keys it sees, its query, its kv head's offset within a token (no integer
      * divisions in the block loops: 3-4% of the kernel's time) */
@@ -281,20 +300,15 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
         for (int64_t d = 0; d < dim; d++) qs[(r - r0) * dim + d] = q[qoff[r - r0] + d] * scale;
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = b * 16;
-        if (b + 1 < b1) prefetch_keys(k_cache + table[b + 1] * block_stride, h0, h1, 3);
+        if (b + 1 < b1) prefetch_keys(k_cache + table[b + 1] * block_stride, h0, h1, 1);
         const float *kb = k_cache + table[b] * block_stride + 16 * hoff[0];
         for (int64_t g0 = r0; g0 < r1; g0 += GROUP_ROWS) {
             const int64_t g1 = g0 + GROUP_ROWS < r1 ? g0 + GROUP_ROWS : r1;
             float *sg = sc + (g0 - r0) * CHUNK_KEYS + (b - b0) * 16;
             const float *qg = qs + (g0 - r0) * dim;
-            switch (g1 - g0) {
-                case 6: qk_rows(kb, qg, sg, 6, NC); break;
-                case 5: qk_rows(kb, qg, sg, 5, NC); break;
-                case 4: qk_rows(kb, qg, sg, 4, NC); break;
-                case 3: qk_rows(kb, qg, sg, 3, NC); break;
-                case 2: qk_rows(kb, qg, sg, 2, NC); break;
-                default: qk_rows(kb, qg, sg, 1, NC); break;
-            }
+#define QK_ROWS(rows) qk_rows(kb, qg, sg, rows, NC)
+            FOR_GROUP_SIZE(g1 - g0, QK_ROWS);
+#undef QK_ROWS
             for (int64_t r = g0; r < g1; r++) {
                 const int64_t n = lim[r - r0] - base;
                 if (n >= 16) continue;
@@ -333,7 +347,7 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
     const int group_rows = NC <= 4 ? GROUP_ROWS : GROUP_ROWS / 2; /* accumulators: at most 24 vectors */
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = b * 16;
-        if (b + 1 < b1) prefetch_values(v_cache + table[b + 1] * block_stride, token_stride, h0, h1, 3);
+        if (b + 1 < b1) prefetch_values(v_cache + table[b + 1] * block_stride, token_stride, h0, h1, 1);
         const float *ps = sc + (b - b0) * 16;
         for (int64_t g0 = r0; g0 < r1; g0 += group_rows) {
             const int64_t g1 = g0 + group_rows < r1 ? g0 + group_rows : r1;
@@ -346,14 +360,9 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
             if (common < 0) common = 0;
             float *ag = st + (g0 - r0) * stride;
             const float *pg = ps + (g0 - r0) * CHUNK_KEYS;
-            switch (g1 - g0) {
-                case 6: pv_rows(vb, token_stride, pg, ag, stride, 6, 0, common, NC); break;
-                case 5: pv_rows(vb, token_stride, pg, ag, stride, 5, 0, common, NC); break;
-                case 4: pv_rows(vb, token_stride, pg, ag, stride, 4, 0, common, NC); break;
-                case 3: pv_rows(vb, token_stride, pg, ag, stride, 3, 0, common, NC); break;
-                case 2: pv_rows(vb, token_stride, pg, ag, stride, 2, 0, common, NC); break;
-                default: pv_rows(vb, token_stride, pg, ag, stride, 1, 0, common, NC); break;
-            }
+#define PV_ROWS(rows) pv_rows(vb, token_stride, pg, ag, stride, rows, 0, common, NC)
+            FOR_GROUP_SIZE(g1 - g0, PV_ROWS);
+#undef PV_ROWS
             for (int64_t r = g0; r < g1; r++) {
                 int64_t n = lim[r - r0] - base;
                 n = n < 16 ? n : 16;

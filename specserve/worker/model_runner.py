@@ -276,16 +276,23 @@ class ModelRunner:
         room = self.max_model_len - len(state.token_ids) - 1
         return self.draft_policy.num_drafts(state.req_id, max(0, min(k, room)), seeded=state.generator is not None)
 
+    @staticmethod
+    def _target_states(batch: InputBatch, hidden: torch.Tensor, aux, take) -> tuple:
+        """(token ids, positions, hidden states, aux hidden states or None) of the target at rows `take`."""
+        return (batch.input_ids[take], positions_at(batch.positions, take), hidden[take],
+                [a[take] for a in aux] if aux is not None else None)
+
     def _no_target_states(self, batch: InputBatch, hidden: torch.Tensor, aux) -> tuple:
         """Empty target states (no rows) for proposers that read token ids only, made once per shape: each
-        step's four slicing ops took ~40 us once a forward pass had evicted the caches."""
+        step's four slicing ops took ~40 us once a forward pass had evicted the caches. Copies, so they do
+        not keep a step's tensors alive."""
         key = (batch.positions.dim(), hidden.shape[1:], hidden.dtype, None if aux is None else len(aux))
         empty = self._empty_states.get(key)
         if empty is None:
-            none = slice(0, 0)
+            ids, positions, states, aux_states = self._target_states(batch, hidden, aux, slice(0, 0))
             empty = self._empty_states[key] = (
-                batch.input_ids[none].clone(), positions_at(batch.positions, none).clone(), hidden[none].clone(),
-                [a[none].clone() for a in aux] if aux is not None else None)
+                ids.clone(), positions.clone(), states.clone(),
+                [a.clone() for a in aux_states] if aux_states is not None else None)
         return empty
 
     def _build_draft_inputs(self, batch: InputBatch, sampled: dict[str, list[int]], hidden: torch.Tensor,
@@ -300,9 +307,7 @@ class ModelRunner:
                 num_rejected = len(drafts) + 1 - len(sampled[rid])
                 index.extend(range(start, end - num_rejected))
                 cu.append(len(index))
-            take = torch.tensor(index, dtype=torch.long)
-            target = (batch.input_ids[take], positions_at(batch.positions, take), hidden[take],
-                      [a[take] for a in aux] if aux is not None else None)
+            target = self._target_states(batch, hidden, aux, torch.tensor(index, dtype=torch.long))
         else:  # prompt lookup, suffix: token ids only
             cu, target = [0] * (len(req_ids) + 1), self._no_target_states(batch, hidden, aux)
         states = [self.requests[rid] for rid in req_ids]

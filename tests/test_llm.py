@@ -49,7 +49,7 @@ def test_greedy_matches_transformers_on_the_same_gguf(llm, default_gguf_path):
 def test_greedy_steps_screen_the_lm_head_and_keep_the_full_logits_tokens(llm):
     """Greedy decoding and greedy verification take the LM head's exact argmax (an int8 screen, then the
     survivors in fp32) instead of the full logits: the tokens are the full logits' argmax, every one."""
-    from specserve.worker.kernels import kernel_enabled
+    from specserve.ops.kernels import kernel_enabled
 
     model = llm.llm_engine.runner.model
     assert model.exact_argmax == kernel_enabled()

@@ -14,6 +14,7 @@ from typing import Any
 
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.request import Request, RequestStatus
+from specserve.types import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 @dataclass
@@ -28,41 +29,6 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-@dataclass
-class NewRequestData:
-    """A request the runner has not seen, or one resumed after preemption (its state is rebuilt)."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: Any
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass
-class CachedRequestData:
-    """A request the runner already holds: only the blocks added this step."""
-
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
-    # Requests in the order the runner lays them out in the flattened batch.
-    req_ids: list[str]
-    num_scheduled_tokens: dict[str, int]
-    total_num_scheduled_tokens: int
-    # Drafts (from the previous step) to verify this step; a subset of each request's drafts.
-    scheduled_spec_decode_tokens: dict[str, list[int]]
-    finished_req_ids: set[str]
-    preempted_req_ids: set[str] = field(default_factory=set)
 
 
 @dataclass

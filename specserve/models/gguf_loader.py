@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from specserve.models.loader import ModelLoadError, check_state_dict
+from specserve.ops.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -234,11 +235,6 @@ def convert_tensors(reader, config: dict, path: str) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------- cache
-
-
-def cache_root() -> Path:
-    """Where converted checkpoints live: $SPECSERVE_CACHE_DIR, else ~/.cache/specserve."""
-    return Path(os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve")
 
 
 def gguf_cache_dir(path: str) -> Path:

@@ -4,7 +4,7 @@
 ``torch.nn.functional.linear``, with the weight prepared once for the kernel it will use:
 
 * ``c`` (what ``auto`` picks when specserve's C kernels build): our own fp32 GEMM
-  (``specserve/worker/csrc/gemm.c``) on a weight packed into 32-column blocks. Up to 12 rows share
+  (``specserve/ops/csrc/gemm.c``) on a weight packed into 32-column blocks. Up to 12 rows share
   every weight load, so a verification step over 2-8 tokens streams the weights once, like a
   one-token decode step; each output is one summation in a fixed order, so a row's result does not
   depend on how many rows are computed with it (batch invariance: a verified token sees exactly the
@@ -119,7 +119,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models import openblas
-from specserve.worker import kernels
+from specserve.ops import kernels
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models.rope import RotaryEmbedding, apply_rotary, rope_parameters
-from specserve.worker import kernels
-from specserve.worker.attention import AttentionMetadata, paged_attention
+from specserve.ops import kernels
+from specserve.ops.attention import AttentionMetadata, paged_attention
 
 
 @dataclass
@@ -90,7 +90,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weight_d
 
 class DecoderLayer:
     """One layer. With `c_ops` (fp32 and the C kernels built) the residual add + RMSNorm, RoPE and
-    SiLU-and-mul run as fused C kernels (worker/csrc/layer_ops.c); otherwise as PyTorch ops."""
+    SiLU-and-mul run as fused C kernels (ops/csrc/layer_ops.c); otherwise as PyTorch ops."""
 
     def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], prefix: str,
                  weight_dtype=None, c_ops: bool = False) -> None:
@@ -187,7 +187,7 @@ class LlamaForCausalLM:
         self.rotary = self._make_rotary(cfg, dtype)
         # Layers whose outputs EAGLE-3 reads; empty means no aux hidden states.
         self.aux_hidden_layers = tuple(aux_hidden_layers)
-        # The whole stack in one C call (worker/csrc/decoder.c) when every layer runs on C kernels and no
+        # The whole stack in one C call (ops/csrc/decoder.c) when every layer runs on C kernels and no
         # layer output is read on the way (aux hidden states); tests turn it off to compare the two.
         self.fused_forward = self._fused_operands() is not None and not self.aux_hidden_layers
         self._fused_layers: tuple | None = None  # (the cache tensors, their ctypes layer array)

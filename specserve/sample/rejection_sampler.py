@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from specserve.sample.metadata import SamplingMetadata
-from specserve.worker.kernels import argmax_rows
+from specserve.ops.kernels import argmax_rows
 from specserve.sample.sampler import (LogprobsTensors, apply_penalties_and_masks, compute_probs,
                                       gather_logprobs, random_sample)
-from specserve.spec_decode.metadata import SpecDecodeMetadata
+from specserve.sample.spec_metadata import SpecDecodeMetadata
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.sample.metadata import SamplingMetadata
-from specserve.worker.kernels import argmax_rows
+from specserve.ops.kernels import argmax_rows
 
 _TOP_CANDIDATES = 1024  # partial selection size for top-k / top-p
 _NEG_INF = float("-inf")

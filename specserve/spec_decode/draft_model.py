@@ -18,8 +18,8 @@ from specserve.models.registry import build_model
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_probs, random_sample
 from specserve.spec_decode.proposer import DraftInputs, Drafts
-from specserve.worker.attention import build_attention_metadata, kv_caches
-from specserve.worker.kernels import argmax_rows, copy_kv_rows, kernel_usable, pointer_array
+from specserve.ops.attention import build_attention_metadata, kv_caches
+from specserve.ops.kernels import argmax_rows, copy_kv_rows, kernel_usable, pointer_array
 
 
 @dataclass

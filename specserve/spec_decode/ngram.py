@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from specserve.spec_decode.proposer import DraftInputs, Drafts
-from specserve.worker import kernels
+from specserve.ops import kernels
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 # A match of the last token alone predicts little. Replaying SmolLM2's greedy Spec-Bench outputs (k=8), a

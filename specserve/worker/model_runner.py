@@ -10,15 +10,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.engine.scheduler import SchedulerOutput
+from specserve.types import SchedulerOutput
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_targets
 from specserve.sample.sampler import Sampler
-from specserve.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
+from specserve.sample.spec_metadata import SpecDecodeMetadata, build_spec_decode_metadata
 from specserve.spec_decode.policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import DraftInputs
-from specserve.worker.attention import AttentionMetadata, build_attention_metadata, kv_caches
-from specserve.worker.kernels import kernel_usable
+from specserve.ops.attention import AttentionMetadata, build_attention_metadata, kv_caches
+from specserve.ops.kernels import kernel_usable
 from specserve.worker.threads import ThreadPolicy
 
 

@@ -16,7 +16,8 @@ import pytest
 
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.request import Request, RequestStatus
-from specserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from specserve.engine.scheduler import Scheduler, SchedulerConfig
+from specserve.types import SchedulerOutput
 
 EOS = 2
 BS = 4

@@ -1,10 +1,10 @@
-"""The fused C decoder stack (worker/csrc/decoder.c) against the same kernels called layer by layer."""
+"""The fused C decoder stack (ops/csrc/decoder.c) against the same kernels called layer by layer."""
 import pytest
 import torch
 
 from specserve.models.registry import build_model
-from specserve.worker import kernels
-from specserve.worker.attention import build_attention_metadata, kv_caches
+from specserve.ops import kernels
+from specserve.ops.attention import build_attention_metadata, kv_caches
 from tests.models.test_qwen2_vl_parity import tiny_qwen2_vl
 from tests.tiny_models import hf_config_dict, hf_state_dict, tiny_hf_model
 

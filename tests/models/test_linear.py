@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from specserve.models import linear as L
 from specserve.models import openblas
 from specserve.models.linear import FastLinear
-from specserve.worker import kernels
+from specserve.ops import kernels
 
 C_AVAILABLE = L.kernels.kernel_enabled()
 EXACT_BACKENDS = ["auto", "torch", "numpy"] + (["onednn"] if L.ONEDNN_AVAILABLE else []) + (["c"] if C_AVAILABLE else [])

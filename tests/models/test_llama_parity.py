@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from specserve.models.registry import build_model
-from specserve.worker import kernels
+from specserve.ops import kernels
 from tests.paged_harness import max_logit_errors
 from tests.tiny_models import hf_config_dict, hf_state_dict, tiny_hf_model
 

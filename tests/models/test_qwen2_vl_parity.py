@@ -6,7 +6,7 @@ import torch
 
 from specserve.models.qwen2_vl import MRotaryEmbedding, Qwen2VLForCausalLM, text_mrope_positions
 from specserve.models.registry import build_model
-from specserve.worker.attention import build_attention_metadata, kv_caches
+from specserve.ops.attention import build_attention_metadata, kv_caches
 from specserve.worker.model_runner import ModelRunner
 from tests.paged_harness import max_logit_errors
 from tests.tiny_models import hf_config_dict, hf_state_dict, perturb_norms_and_biases, tiny_hf_model

@@ -9,7 +9,7 @@ from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection_sampler import RejectionSampler
 from specserve.sample.sampler import Sampler
 from specserve.sampling_params import SamplingParams
-from specserve.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
+from specserve.sample.spec_metadata import SpecDecodeMetadata, build_spec_decode_metadata
 from tests.sample.reference import ref_probs
 
 V = 10

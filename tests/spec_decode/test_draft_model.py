@@ -42,7 +42,7 @@ def test_a_self_draft_takes_the_targets_kv_instead_of_recomputing_it(default_ggu
     """The target's own weights in int8: the drafter copies the target's verified KV of the history and
     feeds only the newest token, so it never prefills the prompt itself; its KV rows for the history are
     then the target's, bit for bit, and greedy output stays plain decoding's."""
-    from specserve.worker.kernels import kernel_enabled
+    from specserve.ops.kernels import kernel_enabled
 
     spec = {"method": "draft_model", "model": default_gguf_path, "quantization": "int8",
             "num_speculative_tokens": 3, "adaptive_draft_length": False}

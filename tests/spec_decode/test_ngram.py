@@ -9,7 +9,7 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.spec_decode.ngram import ONE_TOKEN_MATCH_MAX_DRAFTS, NgramProposer, find_ngram_draft, find_ngram_match
 from specserve.spec_decode.proposer import DraftInputs
-from specserve.worker import kernels
+from specserve.ops import kernels
 
 
 def make_inputs(req_ids, token_ids, num_drafts, max_model_len=1 << 20, finished=()):

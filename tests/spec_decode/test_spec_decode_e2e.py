@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from specserve.llm import LLM
 from specserve.models.loader import load_model_weights
 from specserve.sampling_params import SamplingParams
-from specserve.worker.kernels import kernel_enabled
+from specserve.ops.kernels import kernel_enabled
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "specbench_sample.jsonl")
 MAX_TOKENS = 96

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from specserve.worker import kernels
+from specserve.ops import kernels
 
 
 @pytest.fixture

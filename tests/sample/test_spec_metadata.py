@@ -1,4 +1,4 @@
-from specserve.spec_decode.metadata import build_spec_decode_metadata
+from specserve.sample.spec_metadata import build_spec_decode_metadata
 
 
 def test_worked_example_from_the_design():

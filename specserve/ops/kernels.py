@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from specserve.ops.paths import cache_root
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "SPECSERVE_KERNELS"
@@ -92,8 +94,6 @@ def _cpu_model() -> str:
 
 
 def _build() -> Path:
-    from specserve.models.gguf_loader import cache_root
-
     cc = _compiler()
     sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(sources + " ".join([cc, *FLAGS, _cpu_model()]).encode()).hexdigest()[:16]

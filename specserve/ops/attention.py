@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.worker import hugepages
-from specserve.worker.kernels import paged_attention_c
+from specserve.ops import hugepages
+from specserve.ops.kernels import paged_attention_c
 
 # PyTorch path: queries up to this length are batched together with padding; longer ones run alone.
 MAX_BATCHED_QUERY_LEN = 16

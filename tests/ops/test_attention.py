@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from specserve.worker import kernels
-from specserve.worker.attention import (build_attention_metadata, context_blocks, kernel_key_layout, kv_caches,
+from specserve.ops import kernels
+from specserve.ops.attention import (build_attention_metadata, context_blocks, kernel_key_layout, kv_caches,
                                         paged_attention)
 
 BLOCK_SIZE, NUM_BLOCKS, H, HKV, D = 16, 64, 6, 2, 64

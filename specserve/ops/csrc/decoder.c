@@ -20,7 +20,7 @@ typedef struct {
     const float *bias;
 } linear_t;
 
-/* Field order mirrors specserve/worker/kernels.py's DecoderLayerC. */
+/* Field order mirrors specserve/ops/kernels.py's DecoderLayerC. */
 typedef struct {
     linear_t qkv, o_proj, gate_up, down;
     const float *input_norm, *post_norm;

@@ -3,7 +3,7 @@ import sys
 import pytest
 import torch
 
-from specserve.worker import hugepages
+from specserve.ops import hugepages
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,43 @@
+"""The step types the scheduler hands the model runner: which requests run this step, with what.
+
+A neutral module both `engine/` and `worker/` import, so neither imports the other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (its state is rebuilt)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: Any
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only the blocks added this step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # Requests in the order the runner lays them out in the flattened batch.
+    req_ids: list[str]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Drafts (from the previous step) to verify this step; a subset of each request's drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str] = field(default_factory=set)

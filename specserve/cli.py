@@ -2,33 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
-
-def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True) -> None:
-    """Engine options; speculation_flags=False leaves out the short speculation flags (for commands
-    that define their own)."""
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="bfloat16: bf16 linear weights with fp32 activations (faster, approximate)")
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: int8 linear weights with per-channel scales (fastest, approximate)")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--speculative-config", type=json.loads, default=None,
-                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    if not speculation_flags:
-        return
-    # Short flags; each overrides the same key of --speculative-config.
-    p.add_argument("--speculative-method", choices=["ngram", "suffix", "draft_model"], default=None)
-    p.add_argument("--num-speculative-tokens", type=int, default=None)
-    p.add_argument("--speculative-model", default=None, help="draft model (HF folder or .gguf)")
-    p.add_argument("--prompt-lookup-min", type=int, default=None)
-    p.add_argument("--prompt-lookup-max", type=int, default=None)
+from specserve.engine_args import add_engine_args, engine_kwargs
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -43,28 +20,6 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-
-
-def speculative_config(args) -> dict | None:
-    """--speculative-config JSON with the short flags laid over it (None: no speculation)."""
-    config = dict(args.speculative_config or {})
-    flags = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
-             "model": "speculative_model", "prompt_lookup_min": "prompt_lookup_min",
-             "prompt_lookup_max": "prompt_lookup_max"}
-    short = {key: getattr(args, flag, None) for key, flag in flags.items()}
-    if not hasattr(args, "speculative_method"):
-        short = {}  # the command defines its own meaning for these flags
-    config.update({k: v for k, v in short.items() if v is not None})
-    if config and "method" not in config:
-        config["method"] = "draft_model" if "model" in config else "ngram"
-    return config or None
-
-
-def engine_kwargs(args) -> dict:
-    return dict(model=args.model, dtype=args.dtype, quantization=getattr(args, "quantization", None),
-                max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching, speculative_config=speculative_config(args))
 
 
 def sampling_params(args):

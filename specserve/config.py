@@ -54,7 +54,14 @@ class EngineConfig:
         return torch.bfloat16 if self.dtype == "bfloat16" else None
 
 
-_SPEC_METHODS = ("ngram", "suffix", "draft_model")
+# Methods that run a drafter model, and what speculative_config.model must hold for each.
+_MODEL_METHODS = {
+    "draft_model": "a HF folder or .gguf file with the target's vocabulary",
+    "eagle": "an EAGLE-1/EAGLE-2 head folder (fc over [embedding; feature], one decoder layer)",
+    "eagle3": "an EAGLE-3 head folder (fc over three aux features, midlayer, its own norm and lm_head)",
+    "medusa": "a Medusa head folder (medusa_lm_head.safetensors/.pt or vLLM's blocks/lm_heads layout)",
+}
+SPEC_METHODS = ("ngram", "suffix", *_MODEL_METHODS)
 
 
 @dataclass
@@ -69,10 +76,10 @@ class SpeculativeConfig:
     # ngram
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    # draft_model
+    # draft_model, eagle, eagle3, medusa: the drafter's weights
     model: str | None = None
-    # vLLM's name: how the draft model's linear weights are stored; None follows the target's storage,
-    # "int8" quantizes the drafter alone (a cheaper, approximate draft; verification keeps output exact).
+    # vLLM's name: how the drafter's linear weights are stored; None follows the target's storage, "int8"
+    # quantizes the drafter alone (a cheaper, approximate draft; verification keeps output exact).
     quantization: str | None = None
     # suffix (SuffixDecoding): vLLM's names
     suffix_decoding_max_tree_depth: int = 24
@@ -81,8 +88,8 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.method not in _SPEC_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {', '.join(_SPEC_METHODS)}, "
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, "
                              f"got {self.method!r}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError("speculative_config.num_speculative_tokens must be an integer >= 1, "
@@ -91,14 +98,14 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.num_speculative_tokens must be <= 32, "
                              f"got {self.num_speculative_tokens}")
         self._check_lookup()
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.model is required for method 'draft_model' "
-                             "(a HF folder or .gguf file with the target's vocabulary)")
+        if self.method in _MODEL_METHODS and not self.model:
+            raise ValueError(f"speculative_config.model is required for method {self.method!r} "
+                             f"({_MODEL_METHODS[self.method]})")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"speculative_config.quantization must be None or 'int8', got {self.quantization!r}")
-        if self.quantization is not None and self.method != "draft_model":
-            raise ValueError("speculative_config.quantization applies to method 'draft_model' only, "
-                             f"not {self.method!r}")
+        if self.quantization is not None and self.method not in _MODEL_METHODS:
+            raise ValueError(f"speculative_config.quantization applies to methods {', '.join(_MODEL_METHODS)} "
+                             f"only, not {self.method!r}")
         if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
             raise ValueError("suffix_decoding_max_tree_depth must be >= 1 and "
                              "suffix_decoding_max_cached_requests >= 0")
@@ -129,5 +136,5 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative_config key(s): {', '.join(sorted(unknown))} "
                              f"(allowed: {', '.join(sorted(known))})")
         if "method" not in d:
-            raise ValueError("speculative_config.method is required (one of " + ", ".join(_SPEC_METHODS) + ")")
+            raise ValueError("speculative_config.method is required (one of " + ", ".join(SPEC_METHODS) + ")")
         return cls(**d)

@@ -41,3 +41,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]]
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = field(default_factory=set)
+
+
+def max_draft_tokens(num_tokens: int, max_model_len: int) -> int:
+    """Drafts a request of num_tokens tokens may carry: history + drafts + the bonus token fit in
+    max_model_len (the scheduler and the runner both apply it)."""
+    return max(0, max_model_len - num_tokens - 1)

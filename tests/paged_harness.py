@@ -22,7 +22,8 @@ def max_logit_errors(model, prompts: list[list[int]], num_decode: int, token_bud
     """
     kv = KVCacheManager(num_blocks=64, block_size=4, enable_caching=False)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=token_budget, max_model_len=128), kv)
-    runner = ModelRunner(model, 64, 4, eos_token_ids=set(), vocab_size=model.config.vocab_size, max_model_len=128)
+    runner = ModelRunner(model, 4, eos_token_ids=set(), max_model_len=128)
+    runner.initialize_kv_cache(64)
     params = SamplingParams(temperature=0.0, max_tokens=num_decode + 1, ignore_eos=True)
     for i, p in enumerate(prompts):
         sched.add_request(Request(str(i), p, params))

@@ -1,7 +1,8 @@
 """The command line: flags, `generate` and the streaming `chat`."""
 import io
 
-from specserve.cli import build_parser, main, speculative_config
+from specserve.cli import build_parser, main
+from specserve.engine_args import speculative_config
 
 
 def test_short_speculation_flags_lay_over_the_json():

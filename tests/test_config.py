@@ -9,10 +9,12 @@ from specserve.config import EngineConfig, SpeculativeConfig
     ({"method": "ngram", "prompt_lookup_min": 0}, "prompt_lookup"),
     ({"method": "eagle9"}, "method must be one of"),
     ({"method": "draft_model"}, "speculative_config.model is required"),
+    ({"method": "eagle3"}, "speculative_config.model is required for method 'eagle3'"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.model is required for method 'medusa'"),
     ({"method": "ngram", "num_speculative_token": 3}, "unknown speculative_config key"),
     ({"num_speculative_tokens": 3}, "method is required"),
     ({"method": "draft_model", "model": "x.gguf", "quantization": "int4"}, "quantization must be None or 'int8'"),
-    ({"method": "ngram", "quantization": "int8"}, "applies to method 'draft_model' only"),
+    ({"method": "ngram", "quantization": "int8"}, "applies to methods draft_model, eagle, eagle3, medusa only"),
 ])
 def test_invalid_speculative_configs_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -1,13 +1,15 @@
 """Tiny random transformers models built in memory, the reference for logits parity tests."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=160, max_position_embeddings=256, rms_norm_eps=1e-6)
 
 
-def tiny_hf_model(kind: str, tie: bool = False, **overrides):
+def tiny_hf_model(kind: str, tie: bool = False, seed: int = 1234, **overrides):
     """A random transformers causal LM of the given family ("llama", "qwen2", "qwen3", "mistral")."""
     import transformers
 
@@ -20,7 +22,7 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides):
     kwargs = dict(TINY, tie_word_embeddings=tie, **overrides)
     if kind == "qwen3":
         kwargs.setdefault("head_dim", 32)
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     config = cls_cfg(**kwargs)
     return perturb_norms_and_biases(cls_model(config).eval().float())
 
@@ -40,3 +42,15 @@ def hf_config_dict(model) -> dict:
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def save_hf_folder(model, path) -> str:
+    """Save a tiny model as a folder LLM(model=...) loads: its weights, config and a word-level tokenizer
+    with one token ("t0", "t1", ...) per id of its vocabulary."""
+    import tokenizers
+    from tokenizers.models import WordLevel
+
+    model.save_pretrained(str(path))
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    tokenizers.Tokenizer(WordLevel(vocab, unk_token="t0")).save(os.path.join(path, "tokenizer.json"))
+    return str(path)

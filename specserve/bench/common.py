@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -155,6 +156,22 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+# ---------------------------------------------------------------- losslessness
+
+
+def mismatch_exit_status(benchmark: str, mismatches: Sequence[str]) -> int:
+    """The benchmark's exit status: 0 when every speculative output equals plain decoding's, else 1 after
+    naming each mismatch on stderr. Greedy speculative decoding is lossless by design, so a mismatch is a bug
+    to report, never a result to average into a table."""
+    if not mismatches:
+        return 0
+    for line in mismatches:
+        print(f"error: {line}", file=sys.stderr)
+    print(f"error: specserve bench {benchmark}: {len(mismatches)} speculative output(s) differ from plain "
+          f"decoding (exit status 1)", file=sys.stderr, flush=True)
+    return 1
 
 
 # ---------------------------------------------------------------- transformers baseline

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from specserve.bench.common import (
     DEFAULT_DATASET, BenchPrompt, Stopwatch, environment_info, format_table, load_hf_model, median,
-    prompts_summary, read_specbench, render_prompts, safe_div, write_json)
+    mismatch_exit_status, prompts_summary, read_specbench, render_prompts, safe_div, write_json)
 from specserve.models.loader import default_model_path
 
 DEFAULT_OUTPUT = "bench_results/latency.json"
@@ -79,7 +79,7 @@ class RequestTiming:
 
 
 def add_parser(bench_sub) -> None:
-    from specserve.cli import add_engine_args
+    from specserve.engine_args import add_engine_args
 
     p = bench_sub.add_parser(
         "latency", help="batch-1 latency per Spec-Bench category: specserve methods vs transformers",
@@ -87,7 +87,8 @@ def add_parser(bench_sub) -> None:
                     "EOS ignored): time to first token, decode and end-to-end tokens/s and acceptance length "
                     "of specserve plain and speculative decoding, transformers' generate and prompt lookup. "
                     "transformers' time to first token is a separate 1-token generate of the same prompt; its "
-                    "decode tokens/s is (N-1) / (t_total - t_first_token).")
+                    "decode tokens/s is (N-1) / (t_total - t_first_token). Exits with status 1 when a "
+                    "speculative output differs from plain decoding's.")
     p.add_argument("--dataset", default=DEFAULT_DATASET, help="Spec-Bench JSONL (default: %(default)s)")
     p.add_argument("--categories", default=None,
                    help="comma-separated categories (default: every category in the dataset)")
@@ -200,7 +201,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     print(format_report(report))
     path = write_json(args.output_json, report)
     print(f"\nwrote {path}")
-    return 0
+    return mismatch_exit_status("latency", speculative_mismatches(report))
 
 
 def header_line(args: argparse.Namespace, env: dict, configs: dict[str, dict]) -> str:
@@ -251,7 +252,7 @@ def select_per_category(rows: Sequence[dict], categories: Sequence[str] | None, 
 
 
 def load_specserve(args: argparse.Namespace, method: str, spec_config: dict | None):
-    from specserve.cli import engine_kwargs
+    from specserve.engine_args import engine_kwargs
     from specserve.llm import LLM
 
     kwargs = engine_kwargs(args)
@@ -481,6 +482,14 @@ def format_report(report: dict) -> str:
                      f"{m['question_id']}: first differs from {LABELS[reference_method(m['method'])]} at output "
                      f"token {m['first_diff']}")
     return "\n".join(lines)
+
+
+def speculative_mismatches(report: dict) -> list[str]:
+    """One line per specserve speculative output that differs from specserve's plain decoding of the same
+    prompt. transformers' prompt lookup is checked in the table too, but its mismatches are not ours to fail on."""
+    return [f"{LABELS.get(m['method'], m['method'])} on {m['category']} question {m['question_id']}: output differs "
+            f"from {LABELS[PLAIN]} at token {m['first_diff']}"
+            for m in report["greedy_mismatches"] if reference_method(m["method"]) == PLAIN]
 
 
 def _ratio(value: float | None) -> str | None:

@@ -47,7 +47,7 @@ class RequestRecord:
 
 
 def add_parser(bench_sub) -> None:
-    from specserve.cli import add_engine_args
+    from specserve.engine_args import add_engine_args
 
     p = bench_sub.add_parser(
         "serve", help="latency and throughput of the HTTP server, with and without speculation",

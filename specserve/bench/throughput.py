@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from specserve.bench.common import (
     BenchPrompt, Stopwatch, add_dataset_args, common_prefix_len, environment_info, evenly_spaced, format_table,
-    hf_generate, load_bench_prompts, load_hf_model, median, prompts_summary, request_latencies, safe_div,
-    write_json)
+    hf_generate, load_bench_prompts, load_hf_model, median, mismatch_exit_status, prompts_summary,
+    request_latencies, safe_div, write_json)
 
 DEFAULT_OUTPUT = "bench_results/throughput.json"
 WARMUP_TOKENS = 8
@@ -46,13 +46,14 @@ class ScenarioResult:
 
 
 def add_parser(bench_sub) -> None:
-    from specserve.cli import add_engine_args
+    from specserve.engine_args import add_engine_args
 
     p = bench_sub.add_parser(
         "throughput", help="tokens/s of specserve vs transformers on Spec-Bench",
         description="Generate on the same Spec-Bench prompts with specserve and with transformers' generate "
                     "(greedy, EOS ignored), one request at a time and with many in flight; print a table "
-                    "and write JSON.")
+                    "and write JSON. With speculation, plain decoding runs too (untimed) and the command exits "
+                    "with status 1 when a speculative output differs from it.")
     add_dataset_args(p)
     p.add_argument("--batch1-prompts", type=int, default=4,
                    help="prompts run one at a time, evenly spaced over the selection (default: %(default)s)")
@@ -74,6 +75,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
+    from specserve.engine_args import speculative_config
+
     check_args(args)
     env = environment_info()
     print(header_line(args, env), flush=True)
@@ -83,17 +86,18 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     eos_token_ids = set(llm.get_tokenizer().eos_token_ids)
     pad_token_id = llm.get_tokenizer().eos_token_id
     results = run_specserve(llm, prompts, batch1, args.max_tokens)
+    plain = run_plain_reference(llm, prompts, batch1, args.max_tokens) if speculative_config(args) else None
     del llm
     gc.collect()
     if not args.skip_hf:
         results += run_transformers(args, prompts, batch1, pad_token_id)
     env["load_average_1m_end"] = environment_info().get("load_average_1m")  # the machine may be shared
-    report = build_report(args, env, prompts, batch1, results, eos_token_ids)
+    report = build_report(args, env, prompts, batch1, results, eos_token_ids, plain)
     print()
     print(format_report(report))
     path = write_json(args.output_json, report)
     print(f"\nwrote {path}")
-    return 0
+    return mismatch_exit_status("throughput", speculative_mismatches(report))
 
 
 def header_line(args: argparse.Namespace, env: dict) -> str:
@@ -112,7 +116,7 @@ def _log(message: str) -> None:
 
 
 def load_specserve(args: argparse.Namespace):
-    from specserve.cli import engine_kwargs
+    from specserve.engine_args import engine_kwargs
     from specserve.llm import LLM
 
     kwargs = engine_kwargs(args)
@@ -145,6 +149,23 @@ def run_specserve(llm, prompts: list[BenchPrompt], batch1: list[BenchPrompt], ma
     results.append(_specserve_result("concurrent", prompts, concurrency, outputs, seconds, preemptions))
     _log(f"specserve: {len(prompts)} requests, {concurrency} in flight, done in {seconds:.1f} s")
     return results
+
+
+def run_plain_reference(llm, prompts: list[BenchPrompt], batch1: list[BenchPrompt], max_tokens: int
+                        ) -> dict[str, list[list[int]]]:
+    """Plain decoding's tokens from the same engine (num_speculative_tokens=0 per request), untimed, in each
+    scenario's shape: the batch-1 prompts one at a time, then all prompts together."""
+    from specserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=0)
+    plain = {}
+    if batch1:
+        _reset_prefix_cache(llm)
+        plain["batch1"] = [list(_specserve_timed(llm, [p], params)[0][0].outputs[0].token_ids) for p in batch1]
+    _reset_prefix_cache(llm)
+    plain["concurrent"] = [list(out.outputs[0].token_ids) for out in _specserve_timed(llm, prompts, params)[0]]
+    _log("specserve: plain decoding's outputs computed for the losslessness check")
+    return plain
 
 
 def _reset_prefix_cache(llm) -> None:
@@ -212,9 +233,13 @@ def _hf_scenario(model, scenario: str, prompts: list[BenchPrompt], batch_size: i
 
 
 def build_report(args: argparse.Namespace, env: dict, prompts: list[BenchPrompt], batch1: list[BenchPrompt],
-                 results: list[ScenarioResult], eos_token_ids: set[int] = frozenset()) -> dict:
+                 results: list[ScenarioResult], eos_token_ids: set[int] = frozenset(),
+                 plain: dict[str, list[list[int]]] | None = None) -> dict:
     """Everything a program needs to compare runs: settings, machine, prompts, per-engine results,
-    specserve/transformers ratios and how often the two engines' greedy outputs agree."""
+    specserve/transformers ratios and how often the two engines' greedy outputs agree; with `plain` (plain
+    decoding's tokens per scenario, from run_plain_reference), whether speculation reproduced them."""
+    from specserve.engine_args import speculative_config
+
     comparisons = {}
     for scenario in ("batch1", "concurrent"):
         ours, theirs = _find(results, scenario, "specserve"), _find(results, scenario, "transformers")
@@ -223,9 +248,32 @@ def build_report(args: argparse.Namespace, env: dict, prompts: list[BenchPrompt]
                                      **greedy_agreement(ours.output_token_ids, theirs.output_token_ids,
                                                         eos_token_ids)}
     settings = {k: v for k, v in vars(args).items() if k != "func"}
+    scenario_prompts = {"batch1": batch1, "concurrent": prompts}
+    vs_plain = {scenario: lossless_check(_find(results, scenario, "specserve").output_token_ids, tokens,
+                                         scenario_prompts[scenario])
+                for scenario, tokens in (plain or {}).items() if _find(results, scenario, "specserve")}
     return {"benchmark": "throughput", "settings": settings, "environment": env,
+            "speculative_config": speculative_config(args),
             "prompts": prompts_summary(prompts), "batch1_prompts": prompts_summary(batch1),
-            "results": [r.to_json() for r in results], "specserve_vs_transformers": comparisons}
+            "results": [r.to_json() for r in results], "specserve_vs_transformers": comparisons,
+            "speculative_vs_plain": vs_plain}
+
+
+def lossless_check(speculative: list[list[int]], plain: list[list[int]], prompts: list[BenchPrompt]) -> dict:
+    """Speculative against plain decoding's tokens, prompt by prompt: both ignore EOS, so every token must
+    agree."""
+    mismatches = [{"question_id": p.question_id, "category": p.category, "first_diff": common_prefix_len(a, b)}
+                  for a, b, p in zip(speculative, plain, prompts) if a != b]
+    return {"identical_outputs": len(prompts) - len(mismatches), "num_outputs": len(prompts),
+            "mismatches": mismatches}
+
+
+def speculative_mismatches(report: dict) -> list[str]:
+    """One line per speculative output that differs from plain decoding's on the same prompt."""
+    method = (report.get("speculative_config") or {}).get("method", "speculative")
+    return [f"specserve {method}, {'batch 1' if scenario == 'batch1' else 'concurrent'}, {m['category']} question "
+            f"{m['question_id']}: output differs from plain decoding at token {m['first_diff']}"
+            for scenario, check in report.get("speculative_vs_plain", {}).items() for m in check["mismatches"]]
 
 
 def greedy_agreement(ours: list[list[int]], theirs: list[list[int]], eos_token_ids: set[int] = frozenset()
@@ -268,4 +316,8 @@ def format_report(report: dict) -> str:
     for scenario, c in comparisons.items():
         lines.append(f"greedy agreement, {scenario} (up to specserve's first EOS): {c['identical_outputs']}/"
                      f"{c['num_outputs']} outputs identical, mean common prefix {c['mean_common_prefix_fraction']:.0%}")
+    for scenario, c in report.get("speculative_vs_plain", {}).items():
+        lines.append(f"speculative vs plain decoding, {scenario}: {c['identical_outputs']}/{c['num_outputs']} "
+                     f"outputs identical" + ("" if not c["mismatches"] else " MISMATCH"))
+    lines += [f"SPECULATIVE MISMATCH: {line}" for line in speculative_mismatches(report)]
     return "\n".join(lines)

@@ -15,10 +15,9 @@ from specserve.engine.scheduler import Scheduler, SchedulerConfig
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
 from specserve.sampling_params import SamplingParams
-from specserve.spec_decode.policy import DraftLengthPolicy
-from specserve.spec_decode.proposer import make_proposer
 from specserve.tokenizer import load_tokenizer
 from specserve.worker.model_runner import ModelRunner
+
 
 @dataclass
 class EngineMetrics(SpecDecodeStats):
@@ -42,24 +41,17 @@ class LLMEngine:
                                  weight_dtype=config.linear_weight_dtype)
         self.hf_config = loaded.config
         self.max_model_len = self._max_model_len()
-        num_blocks = self._num_kv_blocks()
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len), self.kv_cache_manager)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
                             if config.speculative_config else None)
-        proposer = None
-        if self.spec_config is not None:
-            proposer = make_proposer(self.spec_config, self.model, dict(
-                dtype=config.torch_dtype, weight_dtype=config.linear_weight_dtype,
-                block_size=config.block_size, num_blocks=num_blocks,
-                max_model_len=self.max_model_len))
-        self.runner = ModelRunner(
-            self.model, num_blocks, config.block_size, set(self.eos_token_ids), self.model.config.vocab_size,
-            self.max_model_len, proposer,
-            self.spec_config.num_speculative_tokens if self.spec_config else 0,
-            DraftLengthPolicy(adaptive=self.spec_config.adaptive_draft_length if self.spec_config else False))
+        self.runner = ModelRunner(self.model, config.block_size, set(self.eos_token_ids), self.max_model_len,
+                                  self.spec_config, config.linear_weight_dtype)
+        num_blocks = self._num_kv_blocks()
+        self.runner.initialize_kv_cache(num_blocks)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len, self.runner.num_lookahead_tokens),
+                                   self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
 
@@ -73,13 +65,8 @@ class LLMEngine:
                              f"max_position_embeddings {limit}")
         return self.config.max_model_len
 
-    def kv_bytes_per_block(self) -> int:
-        cfg = self.model.config
-        itemsize = torch.empty((), dtype=self.model.dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.config.block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
-
     def _num_kv_blocks(self) -> int:
-        per_block = self.kv_bytes_per_block()
+        per_block = self.runner.kv_bytes_per_block()  # the target's KV and the drafter's
         num_blocks = self.config.num_kv_blocks or self.config.kv_cache_memory_bytes // per_block
         needed = -(-self.max_model_len // self.config.block_size)
         if num_blocks < needed:

@@ -189,8 +189,8 @@ class KVCacheManager:
                 del self.req_blocks[request.request_id]
             return None
         if self.enable_caching and is_admission:
-            # Fix: the lookup used to be counted in get_computed_blocks, so a waiting request retried
-            # every step while the pool was full inflated queries and hits once per retry.
+            # Counted on admission only: a waiting request retried every step while the pool is full
+            # must not count its lookup once per retry.
             self.stats.queries += request.num_tokens
             self.stats.hits += len(new_computed_blocks) * bs
         self.pool.touch(list(new_computed_blocks))

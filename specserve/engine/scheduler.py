@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.request import Request, RequestStatus
-from specserve.types import CachedRequestData, NewRequestData, SchedulerOutput
+from specserve.types import CachedRequestData, NewRequestData, SchedulerOutput, max_draft_tokens
 
 
 @dataclass
@@ -244,7 +243,7 @@ class Scheduler:
 
     def _trim_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """Drafts beyond max_tokens or max_model_len could never be emitted."""
-        room = self.config.max_model_len - request.num_tokens
+        room = max_draft_tokens(request.num_tokens, self.config.max_model_len)
         if request.max_tokens is not None:
-            room = min(room, request.max_tokens - request.num_output_tokens)
-        return list(drafts[:max(room - 1, 0)])
+            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        return list(drafts[:max(room, 0)])

@@ -9,102 +9,32 @@
   one-token decode step; each output is one summation in a fixed order, so a row's result does not
   depend on how many rows are computed with it (batch invariance: a verified token sees exactly the
   numbers plain decoding would have).
-* oneDNN inner product with a weight pre-packed once at construction
-  (``torch.ops.mkldnn._reorder_linear_weight`` + ``torch.ops.mkldnn._linear_pointwise``) when the
-  C kernels are unavailable;
-* numpy ``matmul`` (OpenBLAS sgemv at one row, single thread) for one row when this torch build
-  has no oneDNN either, and torch's ``F.linear`` above.
+* oneDNN inner product with a weight pre-packed once at construction when the C kernels are
+  unavailable;
+* numpy ``matmul`` (OpenBLAS sgemv, single thread) for one row when this torch build has no oneDNN
+  either, and torch's ``F.linear`` above. PyTorch's MKL path is 2-4x slower here from 2 rows up, so it
+  is never picked automatically. The measurements behind these choices are in docs/performance.md.
 
-Why ``c`` (2026-12-02, ``benchmarks/matmul_backends.py``-style whole-model streaming: SmolLM2's 120
-layer weights + lm_head, distinct weights per call, 2 threads, medians of 7 interleaved rounds):
+All are exact fp32 (same products, different summation order: max relative error vs ``F.linear``
+~1e-6). numpy's OpenBLAS pool is limited to one thread on first use (unless ``OPENBLAS_NUM_THREADS`` is
+set), so it does not fight torch's OpenMP pool for the cores (see ``specserve.models.openblas``).
 
-    rows         1      2      4      6      8     16     32     64    128    512
-    c (ms)     13.6   12.9   13.9   14.4   14.8   18.2   28.0   45.8   84.3  339
-    oneDNN     15.4   16.2   17.0   15.7   17.9   20.9   30.9   50.8   87.0  342
+Backend override: ``SPECSERVE_LINEAR_BACKEND`` in {auto, c, torch, numpy, onednn} (read when a
+FastLinear is constructed), or the ``backend=`` constructor argument.
 
-(1 thread: 15.5 vs 19.0 at one row, 22.3 vs 26.5 at eight.)
+Approximate (opt-in only, ``weight_dtype=``):
 
-Until 2026-12-02 ``auto`` was oneDNN at every row count; before that it sent one-row calls to numpy,
-which wins cache-hot per-call timings (table below) but loses streaming a whole model:
-SmolLM2's 121 linears at one row, medians of 15 interleaved rounds, took 19.6 ms with numpy
-(1 or 2 threads alike), 17.1 ms with oneDNN on 1 thread and 14.7 ms on 2 threads.
-
-Both are exact fp32 (same products, different summation order: max relative error vs.
-``F.linear`` ~1e-6). The plain ``torch`` path (``F.linear`` -> MKL sgemm) ties at one row
-for small layers but is 3x slower for lm_head and 2-4x slower from 2 rows up, so it is
-never picked automatically.
-
-Memory: ``auto`` and ``onednn`` keep only the oneDNN-packed copy (the fp32 weight bytes once);
-``dense_weight()`` unpacks it on demand.
-
-Why: ``.venv/bin/python benchmarks/matmul_backends.py`` (results in
-bench_results/matmul_backends.json). AMD EPYC Zen 5 (avx512, avx512_bf16, avx512_vnni, no
-AMX), 2 shared vCPUs, torch 2.13 CPU (MKL 2024.2, oneDNN 3.12), numpy 2.4 with
-scipy-openblas 0.3.31 (runs its "Haswell" AVX2 kernels on this CPU). Medians of interleaved
-rounds, ms per call, torch 1 thread, OpenBLAS 1 thread, weights cache-hot::
-
-    shape            rows   F.linear(MKL)   numpy(OpenBLAS)   oneDNN packed
-    o 576x576          1       0.020           0.017            0.042
-    kv 192x576         1       0.0068          0.0065           0.018
-    qkv 960x576        1       0.032           0.029            0.046
-    gate_up 3072x576   1       0.137           0.092            0.132
-    down 576x1536      1       0.049           0.044            0.069
-    lm_head 49152x576  1      11.4             3.9              6.3
-    qkv                2       0.063           0.117            0.047
-    qkv                8       0.138           0.130            0.068
-    gate_up            8       0.535           0.477            0.214
-    down               8       0.444           0.415            0.099
-    lm_head            8      15.3            11.4              5.3
-    lm_head           64      50.5            36.7             21.5
-    lm_head          512     376             294              171
-
-With 2 torch threads (quiet machine) oneDNN gains 1.3-1.7x from 2 rows up (gate_up x8:
-0.114 vs 0.190 ms, lm_head x8: 4.3 vs 6.0 ms) and nothing at 1 row (bandwidth bound). The
-``to_mkldnn()`` input route (``torch._C._nn.mkldnn_linear``) costs 20-100% more than the
-prepacked ``_linear_pointwise`` call on a plain tensor; the packing batch-size hint does not
-matter except ``1`` (plain layout, slower from 2 rows), so weights are packed with ``None``.
-
-Whole-model linears (30 layers of distinct weights + lm_head = 538 MB fp32 streamed from
-DRAM per step, with rmsnorm/silu/residual torch ops in between; torch 1 thread): 1 row
-19-22 ms for auto/oneDNN (~28 GB/s, memory bound; numpy alone 21-25, F.linear 38), 8 rows
-27-39 ms (oneDNN; numpy 75, F.linear 96). bf16: 13-16 ms / 18-32 ms; int8: 8-9 ms / 11-20 ms.
-
-Threading: numpy's OpenBLAS runs its own pthread pool next to torch's OpenMP pool.
-With both at 2 threads on 2 cores, alternating calls make the two pools' spinning
-workers fight over the cores (whole-model step 0.9-1.4 s instead of ~22 ms). The numpy
-path therefore limits OpenBLAS to 1 thread the first time it is used, unless the user
-set ``OPENBLAS_NUM_THREADS`` explicitly (see ``specserve.models.openblas``). The 1-row
-numpy path also keeps decode steps out of OpenMP entirely, which matters on a shared
-machine: with torch at 2 threads and the default OpenMP spin-wait, every parallel
-region can stall for a scheduler tick when the other vCPU is busy (measured ~1 s per
-8-row step vs 39 ms with 1 thread). Thread counts are the caller's business; see the
-benchmark's ``passive`` config (OMP_WAIT_POLICY=passive) and torch.set_num_threads(1).
-
-Backend override: ``SPECSERVE_LINEAR_BACKEND`` in {auto, c, torch, numpy, onednn}
-(read when a FastLinear is constructed; ``auto`` is the default above), or the
-``backend=`` constructor argument.
-
-Approximate (opt-in only, ``weight_dtype=``), both measured faster than any fp32 path:
-
-* ``torch.bfloat16``: oneDNN bf16 (avx512_bf16 brgemm), activations rounded to bf16,
-  fp32 output. lm_head 2.2 ms at 1 row / 3.0 ms at 8 (vs 3.9 / 5.3 fp32); whole model
-  ~1.4x faster. Max relative error ~3e-3 per layer.
+* ``torch.bfloat16``: oneDNN bf16, activations rounded to bf16, fp32 output (~3e-3 relative error per
+  layer).
 * ``"int8"`` / ``torch.qint8``: per-output-channel symmetric int8 weights. With the C kernels
-  (``c_int8``): weight-only quantization, fp32 activations, the fp32 GEMM's block layout with
-  each k step's 32 weights widened to fp32 once for every row (csrc/gemm.c). A decode step
-  streams a quarter of the bytes: lm_head 0.46 ms vs 2.1 ms fp32 at 1 row, SmolLM2's linears
-  3.6 vs 11.9 ms per step (2 threads). Error: the weights' rounding only (max relative
-  error ~4e-3 per weight). Without the C kernels: fbgemm dynamic quantization, activations
-  quantized per call too (per-tensor uint8; full range because this CPU has VNNI): lm_head
-  1.2 / 1.7 ms, whole model 2-2.5x faster than fp32, max relative error ~1e-2 per layer.
-  Either will change greedy tokens; evaluate before use (the draft model uses it: drafts
-  need only agree with the target most of the time).
-  (``torch._weight_int8pack_mm`` was 100x slower with fp32 activations; oneDNN fp16
-  ``linear_dynamic_fp16`` 400-500 ms for lm_head without avx512_fp16.)
+  (``c_int8``): weight-only quantization with fp32 activations, a quarter of the bytes per decode step
+  (~4e-3 relative error per weight). Without them: fbgemm dynamic quantization (~1e-2 per layer).
+  Either can change greedy tokens; the draft model uses it, as drafts need only agree with the target
+  most of the time.
 
-Inference only: weights are plain tensors (not Parameters), nothing builds an autograd
-graph, and inputs that require grad are rejected. No scratch buffers are shared
-between calls, so a FastLinear may be called from several threads at once.
+Inference only: weights are plain tensors (not Parameters), nothing builds an autograd graph, and inputs
+that require grad are rejected. No scratch buffers are shared between calls, so a FastLinear may be
+called from several threads at once.
 """
 
 from __future__ import annotations

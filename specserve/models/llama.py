@@ -185,12 +185,22 @@ class LlamaForCausalLM:
         # SmolLM2), exact (see greedy_tokens); False where the head is not on the fp32 C GEMM.
         self.exact_argmax = getattr(self.lm_head, "enable_exact_argmax", lambda: False)()
         self.rotary = self._make_rotary(cfg, dtype)
-        # Layers whose outputs EAGLE-3 reads; empty means no aux hidden states.
-        self.aux_hidden_layers = tuple(aux_hidden_layers)
-        # The whole stack in one C call (ops/csrc/decoder.c) when every layer runs on C kernels and no
-        # layer output is read on the way (aux hidden states); tests turn it off to compare the two.
-        self.fused_forward = self._fused_operands() is not None and not self.aux_hidden_layers
-        self._fused_layers: tuple | None = None  # (the cache tensors, their ctypes layer array)
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.set_aux_hidden_layers(aux_hidden_layers)
+        # The whole stack in one C call (ops/csrc/decoder.c, which also copies out the aux states) when
+        # every layer runs on C kernels; tests turn it off to compare the two.
+        self.fused_forward = self._fused_operands() is not None
+        self._fused_layers = kernels.TensorKeyed(self._build_layers_c)  # keyed by the KV cache tensors
+
+    def set_aux_hidden_layers(self, layers) -> None:
+        """Which layers' inputs (the residual stream entering layer i, before its norm; HF's
+        hidden_states[i]) forward returns as aux hidden states, in this order; () for none."""
+        layers = tuple(int(i) for i in layers)
+        bad = [i for i in layers if not 0 <= i < self.config.num_hidden_layers]
+        if bad or len(set(layers)) != len(layers):
+            raise ValueError(f"aux hidden layers must be distinct layer indices in [0, "
+                             f"{self.config.num_hidden_layers}), got {list(layers)}")
+        self.aux_hidden_layers = layers
 
     def _make_rotary(self, cfg: DecoderConfig, dtype: torch.dtype) -> RotaryEmbedding:
         return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
@@ -208,16 +218,17 @@ class LlamaForCausalLM:
         x = self.embed_tokens[input_ids]
         cos, sin = self.rotary.cos_sin(positions)
         if self.fused_forward and meta.kernel is not None:  # the kernel then serves every request
-            return self._forward_fused(x, cos, sin, meta, kv_caches), None
+            return self._forward_fused(x, cos, sin, meta, kv_caches)
         residual = None
-        aux = [] if self.aux_hidden_layers else None
+        aux = {}
         for i, layer in enumerate(self.layers):
-            if aux is not None and i in self.aux_hidden_layers:
-                aux.append(x.clone() if residual is None else x + residual)  # C layers update residual in place
+            if i in self.aux_hidden_layers:
+                aux[i] = x.clone() if residual is None else x + residual  # C layers update residual in place
             x, residual = layer.forward(x, residual, cos, sin, kv_caches[i], meta)
+        aux_states = [aux[i] for i in self.aux_hidden_layers] if aux else None
         if self.c_ops:
-            return kernels.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps), aux
-        return rms_norm(x + residual, self.norm, self.config.rms_norm_eps), aux
+            return kernels.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps), aux_states
+        return rms_norm(x + residual, self.norm, self.config.rms_norm_eps), aux_states
 
     def _fused_operands(self) -> list[tuple] | None:
         """Per layer the C operands of (qkv, o_proj, gate_up, down), or None when a layer cannot run fused
@@ -233,28 +244,28 @@ class LlamaForCausalLM:
             operands.append(linears)
         return operands
 
-    def _layers_c(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        """The ctypes layer array for these caches, built once per set of cache tensors. The entry holds
-        the tensors themselves, so their memory cannot be freed and reused while pointers to it are kept."""
-        tensors = tuple(t for pair in kv_caches for t in pair)
-        cached = self._fused_layers
-        if cached is None or len(cached[0]) != len(tensors) or any(a is not b for a, b in zip(cached[0], tensors)):
-            layers = (kernels.DecoderLayerC * len(self.layers))()
-            for i, (layer, ops, (k_cache, v_cache)) in enumerate(zip(self.layers, self._fused_operands(), kv_caches)):
-                layers[i] = kernels.DecoderLayerC(*map(kernels.linear_c, ops), layer.input_norm.data_ptr(),
-                                                  layer.post_norm.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
-            cached = self._fused_layers = (tensors, layers)  # one set of caches at a time
-        return cached[1]
+    def _build_layers_c(self, cache_tensors: tuple[torch.Tensor, ...]):
+        """The ctypes layer array over these (key, value, key, value, ...) cache tensors."""
+        layers = (kernels.DecoderLayerC * len(self.layers))()
+        for i, (layer, ops) in enumerate(zip(self.layers, self._fused_operands())):
+            k_cache, v_cache = cache_tensors[2 * i], cache_tensors[2 * i + 1]
+            layers[i] = kernels.DecoderLayerC(*map(kernels.linear_c, ops), layer.input_norm.data_ptr(),
+                                              layer.post_norm.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+        return layers
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         cfg, n = self.config, x.shape[0]
         dims = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                 cfg.intermediate_size)
-        return kernels.decoder_forward(self._layers_c(kv_caches), x.contiguous(), self.norm,
-                                       cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous(),
-                                       meta.slot_mapping, meta.kernel, dims, kv_caches[0][0].shape[1],
-                                       cfg.rms_norm_eps, self.layers[0].scale if self.layers else 1.0)
+        order = sorted(self.aux_hidden_layers)  # the kernel copies them out as it reaches them
+        out, aux = kernels.decoder_forward(
+            self._fused_layers.get(tuple(t for pair in kv_caches for t in pair)), x.contiguous(), self.norm,
+            cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous(), meta.slot_mapping, meta.kernel, dims,
+            kv_caches[0][0].shape[1], cfg.rms_norm_eps, self.layers[0].scale if self.layers else 1.0, tuple(order))
+        if aux is not None:
+            aux = [aux[order.index(i)] for i in self.aux_hidden_layers]
+        return out, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [M, hidden] → logits [M, vocab] (float32)."""

@@ -103,6 +103,23 @@ class AttentionMetadata:
     kernel: KernelBatch | None = None  # every request, for the C kernel (then `batched`, `prefills` are empty)
 
 
+def slot_ids(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of token indices [start, end) of a request whose blocks are `block_table`. Slots follow
+    the absolute token index, never a (M-RoPE) position."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def paged_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                   block_size: int, use_kernel: bool = False) -> AttentionMetadata:
+    """Attention metadata for queries that are the last query_lens[i] tokens of each request's context,
+    with the slots they write."""
+    slots = []
+    for q_len, c_len, table in zip(query_lens, context_lens, block_tables):
+        slots.extend(slot_ids(table, c_len - q_len, c_len, block_size))
+    return build_attention_metadata(query_lens, context_lens, block_tables, block_size,
+                                    torch.tensor(slots, dtype=torch.long), use_kernel)
+
+
 def build_attention_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                              block_size: int, slot_mapping: torch.Tensor, use_kernel: bool = False
                              ) -> AttentionMetadata:

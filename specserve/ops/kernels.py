@@ -126,7 +126,7 @@ def _bind(lib):
         "lm_head_argmax_f32": ([ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr], ctypes.c_int),
         "ngram_match_i64": ([ptr, i64, i64, i64, i64], ctypes.c_int64),
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
-                                 i64, i64, i64, i64, f32, f32], ctypes.c_int),
+                                 i64, i64, i64, i64, f32, f32, ptr, i64, ptr], ctypes.c_int),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
@@ -326,26 +326,45 @@ def linear_c(operands: tuple) -> LinearC:
 
 def decoder_forward(layers, x: torch.Tensor, final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     slot_mapping: torch.Tensor, batch, dims: tuple[int, int, int, int, int], block_size: int,
-                    eps: float, scale: float) -> torch.Tensor:
-    """Run every layer and the final norm in one C call (csrc/decoder.c); returns [N, hidden].
+                    eps: float, scale: float, aux_layers: tuple[int, ...] = ()):
+    """Run every layer and the final norm in one C call (csrc/decoder.c); returns (out [N, hidden], aux).
 
     layers: a ctypes array of DecoderLayerC whose tensors the caller keeps alive; x: [N, hidden] embeddings,
     overwritten (the residual stream); cos, sin: [N, head_dim]; slot_mapping: [N] int64; batch: the
-    attention metadata's KernelBatch; dims: (hidden, heads, kv heads, head_dim, intermediate).
+    attention metadata's KernelBatch; dims: (hidden, heads, kv heads, head_dim, intermediate). aux: the
+    inputs of `aux_layers` (ascending), a list of [N, hidden], or None when none are asked for.
     """
     _check(x=x, final_norm=final_norm, cos=cos, sin=sin)
     _check(torch.int64, slot_mapping=slot_mapping)
     hidden, num_heads, num_kv_heads, head_dim, inter = dims
     out = torch.empty_like(x)
+    aux = torch.empty((len(aux_layers), *x.shape), dtype=x.dtype) if aux_layers else None
+    aux_ids = torch.tensor(aux_layers, dtype=torch.int64)
     failed = _lib().decoder_forward_f32(
         layers, len(layers), x.data_ptr(), out.data_ptr(), final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         slot_mapping.data_ptr(), batch.block_table.data_ptr(), batch.block_table.shape[1],
         batch.query_start.data_ptr(), batch.query_len.data_ptr(), batch.context_len.data_ptr(),
         len(batch.query_start), x.shape[0], hidden, num_heads, num_kv_heads, head_dim, inter, block_size,
-        float(eps), float(scale))
+        float(eps), float(scale), aux_ids.data_ptr(), len(aux_layers), _ptr(aux))
     if failed:
         raise MemoryError("decoder kernel: out of memory for its buffers")
-    return out
+    return out, (list(aux.unbind(0)) if aux is not None else None)
+
+
+class TensorKeyed:
+    """One value built from a set of tensors (a ctypes array of their pointers, say), rebuilt only when the
+    tensors change. It holds the tensors, so their memory cannot be freed and reused under the pointers."""
+
+    def __init__(self, build) -> None:
+        self._build = build
+        self._tensors: tuple = ()
+        self._value = None
+
+    def get(self, tensors: tuple[torch.Tensor, ...]):
+        if self._value is None or len(tensors) != len(self._tensors) or any(
+                a is not b for a, b in zip(tensors, self._tensors)):
+            self._tensors, self._value = tensors, self._build(tensors)
+        return self._value
 
 
 def pointer_array(tensors: list[torch.Tensor]):

@@ -159,7 +159,7 @@ class BearerAuthMiddleware:
 
 def add_serve_parser(sub) -> None:
     """`specserve serve`, added to the CLI's subparsers."""
-    from specserve.cli import add_engine_args
+    from specserve.engine_args import add_engine_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
@@ -189,7 +189,7 @@ def served_model_names(args) -> list[str]:
 
 
 def build_app_from_args(args) -> FastAPI:
-    from specserve.cli import engine_kwargs
+    from specserve.engine_args import engine_kwargs
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
 

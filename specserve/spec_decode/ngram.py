@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.spec_decode.proposer import DraftInputs, Drafts
+from specserve.spec_decode.proposer import DraftInputs, DrafterNeeds, Drafts
 from specserve.ops import kernels
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -114,7 +114,7 @@ class _History:
 class NgramProposer:
     """Prompt lookup (vLLM's `ngram` method): no model, drafts copied from the request's own history."""
 
-    uses_target_states = False  # reads token ids only
+    needs = DrafterNeeds()  # token ids only
 
     def __init__(self, spec_config) -> None:
         self.min_n = spec_config.prompt_lookup_min
@@ -129,13 +129,12 @@ class NgramProposer:
     def propose(self, inputs: DraftInputs) -> Drafts:
         for req_id in inputs.finished_req_ids:
             self._histories.pop(req_id, None)
-        drafts = [self._propose_one(req_id, tokens, n, inputs.max_model_len)
+        drafts = [self._propose_one(req_id, tokens, n)
                   for req_id, tokens, n in zip(inputs.req_ids, inputs.token_ids, inputs.num_drafts)]
         return Drafts(token_ids=drafts)
 
-    def _propose_one(self, req_id: str, token_ids: list[int], num_drafts: int, max_model_len: int) -> list[int]:
-        # history + drafts + the bonus token must fit in max_model_len
-        k = min(num_drafts, self.k, max_model_len - len(token_ids) - 1)
+    def _propose_one(self, req_id: str, token_ids: list[int], num_drafts: int) -> list[int]:
+        k = min(num_drafts, self.k)
         if k <= 0:
             return []
         history = self._histories.get(req_id)

@@ -1,42 +1,93 @@
-"""The one drafting interface: `Proposer.propose(DraftInputs) -> Drafts`, and the factory.
+"""The drafting contract: what a drafter declares it needs, `Proposer.propose(DraftInputs) -> Drafts`, and
+the factory.
 
-Everything any method needs is in DraftInputs, so the runner never branches on the method's name;
-`make_proposer` is the only place that knows the names.
+A drafter declares what it reads (`DrafterNeeds`); the runner provides exactly that in one DraftInputs and
+never asks a drafter who it is. `make_proposer` is the only place that knows the method names.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from specserve.spec_decode.drafter_kv import DrafterKVCache
+
+
+class TargetStates(enum.Enum):
+    """Which of the target's final hidden states a drafter reads."""
+
+    NONE = "none"  # token ids only (prompt lookup, suffix trees, a draft model)
+    ACCEPTED = "accepted"  # states of the tokens accepted this step by requests that sample (Medusa)
+    ALL = "all"  # states of every processed token, partial prompt chunks included (EAGLE builds its KV)
+
+
+@dataclass(frozen=True)
+class DrafterKVSpec:
+    """The paged KV a drafter keeps: its layers, in blocks that follow the target's block tables."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class DrafterNeeds:
+    target_states: TargetStates = TargetStates.NONE
+    # Target layers whose inputs (the residual stream entering layer i) the drafter reads, in this order.
+    aux_layers: tuple[int, ...] = ()
+    kv: DrafterKVSpec | None = None  # the drafter's own paged KV, from the engine's memory budget
+    # KV slots written ahead of the verified history (a drafter that feeds its k - 1 drafts back to itself).
+    num_lookahead_tokens: int = 0
+    reads_target_kv: bool = False  # copies the target's verified KV (a self-draft)
+
+
+_EMPTY = torch.zeros(0, dtype=torch.long)
 
 
 @dataclass
 class DraftInputs:
-    """Inputs for one drafting call, B = the requests that got tokens this step, in batch order."""
+    """Inputs for one drafting call. B = the requests that got tokens this step, in batch order; R = the
+    requests whose target states are given (B for ACCEPTED; every request of the step for ALL)."""
 
     req_ids: list[str]  # [B]
     sampled_token_ids: list[list[int]]  # [B] tokens accepted this step (1..n+1 each)
     next_token_ids: list[int]  # [B] last accepted token: the next input of each request
     token_ids: list[list[int]]  # [B] full history (prompt + outputs incl. this step's); do not mutate
     num_prompt_tokens: list[int]  # [B]
-    num_drafts: list[int]  # [B] drafts wanted per request (0: none for this request)
-    # Target states of the accepted tokens this step (rejected draft tails dropped), flattened; no rows
-    # (and cu_num_tokens all 0) for a proposer whose `uses_target_states` attribute is False:
-    target_token_ids: torch.Tensor  # [T]
-    target_positions: torch.Tensor  # [T] or [3, T] (M-RoPE): exactly the positions the target saw
-    target_hidden_states: torch.Tensor  # [T, hidden] final hidden states (before the LM head norm? no: after)
-    aux_hidden_states: list[torch.Tensor] | None  # each [T, hidden], layers chosen by the drafter; else None
-    cu_num_tokens: list[int]  # [B + 1] offsets of each request's rows in the target_* tensors
+    # [B] drafts wanted per request (0: none for this request); history + drafts + the bonus token already
+    # fit in max_model_len.
+    num_drafts: list[int]
     sampling_params: list  # [B] SamplingParams
     generators: list[torch.Generator | None]  # [B] seeded requests' generators
     max_model_len: int
-    finished_req_ids: set[str] = field(default_factory=set)  # forget their drafter state
-    # Where the target's KV lives: per layer (k, v) [num_blocks, block_size, Hkv, D], and each request's
-    # blocks; positions < len(token_ids[i]) - 1 hold verified KV. A drafter running the target's own
-    # weights copies it instead of recomputing it.
+    # Target states of the processed tokens (rejected draft tails dropped), flattened over R requests;
+    # empty for a drafter that declares TargetStates.NONE:
+    target_req_ids: list[str] = field(default_factory=list)  # [R]
+    target_start: list[int] = field(default_factory=list)  # [R] token index of each request's first row
+    cu_num_tokens: list[int] = field(default_factory=lambda: [0])  # [R + 1] offsets of the rows
+    # [R] the token after each request's last row: its newest sampled token, or for a partial prompt
+    # chunk the next prompt token.
+    target_next_token_ids: list[int] = field(default_factory=list)
+    target_token_ids: torch.Tensor = _EMPTY  # [T]
+    target_positions: torch.Tensor = _EMPTY  # [T] or [3, T] (M-RoPE): exactly the positions the target saw
+    target_hidden_states: torch.Tensor | None = None  # [T, hidden] final (post-norm) hidden states
+    aux_hidden_states: list[torch.Tensor] | None = None  # each [T, hidden], the declared aux layers' inputs
+    # [B] or [3, B]: the position of each request's next input token; draft step j is at + j (the rule
+    # the target uses for text).
+    next_positions: torch.Tensor = _EMPTY
+    finished_req_ids: set[str] = field(default_factory=set)  # finished requests: forget their state
+    block_tables: dict[str, list[int]] = field(default_factory=dict)  # every request of the step
+    drafter_kv: DrafterKVCache | None = None  # the drafter's own KV, when it declares one
+    # The target's per-layer (k, v) caches, for a drafter that reads the target's KV; positions
+    # < len(token_ids[i]) - 1 hold verified KV.
     target_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    block_ids: list[list[int]] = field(default_factory=list)  # [B]
 
 
 @dataclass
@@ -47,13 +98,22 @@ class Drafts:
 
 
 class Proposer(Protocol):
-    # False for proposers that read token ids only: the runner then skips gathering hidden states
-    uses_target_states: bool
+    needs: DrafterNeeds
 
     def propose(self, inputs: DraftInputs) -> Drafts: ...
 
 
-def make_proposer(spec_config, target_model, runner_context: dict):
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a drafter may know of the target when it is built."""
+
+    model: object  # the target model (its config, embeddings, LM head, rotary rule)
+    dtype: torch.dtype
+    weight_dtype: object
+    max_model_len: int
+
+
+def make_proposer(spec_config, target: TargetInfo) -> Proposer:
     """Build the proposer named by spec_config.method."""
     method = spec_config.method
     if method == "ngram":
@@ -67,5 +127,13 @@ def make_proposer(spec_config, target_model, runner_context: dict):
     if method == "draft_model":
         from specserve.spec_decode.draft_model import DraftModelProposer
 
-        return DraftModelProposer(spec_config, target_model, runner_context)
+        return DraftModelProposer(spec_config, target)
+    if method in ("eagle", "eagle3"):
+        from specserve.spec_decode.eagle import EagleProposer
+
+        return EagleProposer(spec_config, target)
+    if method == "medusa":
+        from specserve.spec_decode.medusa import MedusaProposer
+
+        return MedusaProposer(spec_config, target)
     raise ValueError(f"speculative method {method!r} is not supported")

@@ -8,9 +8,9 @@ from the match while the path probability (product of child count / sibling tota
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import deque
 
-from specserve.spec_decode.proposer import DraftInputs, Drafts
+from specserve.spec_decode.proposer import DraftInputs, DrafterNeeds, Drafts
 
 
 class _Node:
@@ -171,7 +171,7 @@ class SuffixTrie:
 class SuffixProposer:
     """vLLM's `suffix` method: per-request tries plus a global trie of finished requests' outputs."""
 
-    uses_target_states = False  # reads token ids only
+    needs = DrafterNeeds()  # token ids only
 
     def __init__(self, spec_config) -> None:
         self.k = spec_config.num_speculative_tokens
@@ -181,7 +181,7 @@ class SuffixProposer:
         self.min_prob = spec_config.suffix_decoding_min_token_prob
         self._local: dict[str, tuple[SuffixTrie, int]] = {}  # req_id -> (trie of its tokens, prompt length)
         self.global_trie = SuffixTrie(self.depth)
-        self._cached: OrderedDict[str, int] = OrderedDict()  # req_id -> seq id in global_trie, oldest first
+        self._cached: deque[int] = deque()  # seq ids of the outputs in global_trie, oldest first
         self._next_seq_id = 0
 
     def propose(self, inputs: DraftInputs) -> Drafts:
@@ -191,8 +191,7 @@ class SuffixProposer:
         for req_id, history, num_prompt, num_drafts in zip(inputs.req_ids, inputs.token_ids,
                                                            inputs.num_prompt_tokens, inputs.num_drafts):
             trie = self._sync(req_id, history, num_prompt)  # kept current even without drafts: it feeds the cache
-            # history + drafts + the bonus token must fit in max_model_len
-            cap = min(num_drafts, self.k, inputs.max_model_len - len(history) - 1)
+            cap = min(num_drafts, self.k)
             drafts.append(self._draft(trie, history, cap) if cap > 0 else [])
         return Drafts(token_ids=drafts)
 
@@ -229,16 +228,17 @@ class SuffixProposer:
         return best
 
     def _retire(self, req_id: str) -> None:
-        """A finished (or preempted) request's output joins the global trie; the oldest beyond the cap leave."""
+        """A finished request's output joins the global trie; the oldest beyond the cap leave.
+
+        Preempted requests never come here: they keep their trie, which `_sync` extends when they resume.
+        """
         trie, num_prompt = self._local.pop(req_id, (None, 0))
         if trie is None or self.max_cached == 0:
             return
-        if req_id in self._cached:  # preempted earlier, now finished: replace its partial output
-            self.global_trie.remove(self._cached.pop(req_id))
         output = trie.seqs.get(0, [])[num_prompt:]
         if output:
             self.global_trie.extend(self._next_seq_id, output)
-            self._cached[req_id] = self._next_seq_id
+            self._cached.append(self._next_seq_id)
             self._next_seq_id += 1
         while len(self._cached) > self.max_cached:
-            self.global_trie.remove(self._cached.popitem(last=False)[1])
+            self.global_trie.remove(self._cached.popleft())

@@ -10,15 +10,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.types import SchedulerOutput
+from specserve.ops.attention import AttentionMetadata, build_attention_metadata, kv_caches, slot_ids
+from specserve.ops.kernels import kernel_usable
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_targets
 from specserve.sample.sampler import Sampler
-from specserve.sample.spec_metadata import SpecDecodeMetadata, build_spec_decode_metadata
+from specserve.sample.spec_metadata import SpecDecodeMetadata, build_spec_decode_metadata, logits_indices
+from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.policy import DraftLengthPolicy
-from specserve.spec_decode.proposer import DraftInputs
-from specserve.ops.attention import AttentionMetadata, build_attention_metadata, kv_caches
-from specserve.ops.kernels import kernel_usable
+from specserve.spec_decode.proposer import DraftInputs, Proposer, TargetInfo, TargetStates, make_proposer
+from specserve.types import SchedulerOutput, max_draft_tokens
 from specserve.worker.threads import ThreadPolicy
 
 
@@ -72,20 +73,27 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, eos_token_ids: set[int], vocab_size: int,
-                 max_model_len: int, proposer=None, num_speculative_tokens: int = 0,
-                 draft_policy: DraftLengthPolicy | None = None) -> None:
+    """Owns the target's KV cache and the proposer. Built in two steps, as the engine sizes the KV pool
+    from `kv_bytes_per_block` (target plus drafter) before `initialize_kv_cache`."""
+
+    def __init__(self, model, block_size: int, eos_token_ids: set[int], max_model_len: int,
+                 spec_config=None, weight_dtype=None) -> None:
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = set(eos_token_ids)
-        self.vocab_size = vocab_size
+        self.vocab_size = model.config.vocab_size
         self.max_model_len = max_model_len
-        self.proposer = proposer
-        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
-        self.draft_policy = draft_policy or DraftLengthPolicy()
         self.uses_mrope = getattr(model, "uses_mrope", False)
-        shape = model.kv_cache_shape(num_blocks, block_size)
-        self.kv_caches = kv_caches(shape, model.dtype, model.num_layers)
+        self.proposer: Proposer | None = None
+        self.num_speculative_tokens = 0
+        self.draft_policy = DraftLengthPolicy()
+        if spec_config is not None:
+            self.proposer = make_proposer(spec_config, TargetInfo(model, model.dtype, weight_dtype, max_model_len))
+            self.num_speculative_tokens = spec_config.num_speculative_tokens
+            self.draft_policy = DraftLengthPolicy(adaptive=spec_config.adaptive_draft_length)
+            model.set_aux_hidden_layers(self.proposer.needs.aux_layers)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.drafter_kv: DrafterKVCache | None = None
         self.attention_kernel = kernel_usable(model.dtype)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -93,8 +101,26 @@ class ModelRunner:
         self.thread_policy = ThreadPolicy()
         self.rejection_sampler = RejectionSampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # [n, vocab] of drafts awaiting verification
-        self._empty_states: dict[tuple, tuple] = {}  # _no_target_states, by shape
         self.finished_since_draft: set[str] = set()
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots the scheduler reserves past each request's scheduled tokens, for the drafter."""
+        return self.proposer.needs.num_lookahead_tokens if self.proposer is not None else 0
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block of the target's KV plus the drafter's (which follows the same tables)."""
+        cfg = self.model.config
+        target = 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim
+        drafter_kv = self.proposer.needs.kv if self.proposer is not None else None
+        return (target * self.model.dtype.itemsize
+                + (drafter_kv.bytes_per_block(self.block_size) if drafter_kv is not None else 0))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = kv_caches(self.model.kv_cache_shape(num_blocks, self.block_size), self.model.dtype,
+                                   self.model.num_layers)
+        if self.proposer is not None and self.proposer.needs.kv is not None:
+            self.drafter_kv = DrafterKVCache(self.proposer.needs.kv, num_blocks, self.block_size)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -119,18 +145,21 @@ class ModelRunner:
 
     # ---- state --------------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
-        for rid in sched.finished_req_ids:
+        for rid in sched.finished_req_ids:  # finished, or preempted (then rescheduled later as new)
             self.requests.pop(rid, None)
             self.draft_probs.pop(rid, None)
+            if self.drafter_kv is not None:
+                self.drafter_kv.forget(rid)  # its blocks are gone with the request's
             if rid not in sched.preempted_req_ids:
                 self.finished_since_draft.add(rid)
                 self.draft_policy.forget(rid)
-            if rid not in sched.preempted_req_ids:
                 self.generators.pop(rid, None)
         for new in sched.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens, self._generator(new.req_id, new.sampling_params))
+            if self.drafter_kv is not None:
+                self.drafter_kv.start(new.req_id, new.num_computed_tokens)
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -147,8 +176,7 @@ class ModelRunner:
 
     # ---- inputs -------------------------------------------------------------------------
     def prepare_inputs(self, sched: SchedulerOutput) -> InputBatch:
-        bs = self.block_size
-        ids, positions, slots, logits_idx = [], [], [], []
+        ids, positions, slots = [], [], []
         query_lens, context_lens, tables, sample_ids, sample_drafts, sample_ends = [], [], [], [], [], []
         starts = [0]
         for rid in sched.req_ids:
@@ -157,23 +185,19 @@ class ModelRunner:
             drafts = sched.scheduled_spec_decode_tokens.get(rid, [])
             start = state.num_computed_tokens
             tokens = state.token_ids[start:start + n]
-            tokens = tokens + drafts[: n - len(tokens)]
-            ids.extend(tokens)
-            pos = range(start, start + n)
-            positions.extend(pos)
-            table = state.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            ids.extend(tokens + drafts[: n - len(tokens)])
+            positions.extend(range(start, start + n))
+            slots.extend(slot_ids(state.block_ids, start, start + n, self.block_size))
             if start + n >= len(state.token_ids):
                 sample_ids.append(rid)
                 sample_drafts.append(drafts)
                 sample_ends.append(starts[-1] + n)
-                logits_idx.extend(range(starts[-1] + n - 1 - len(drafts), starts[-1] + n))
             query_lens.append(n)
             context_lens.append(start + n)
-            tables.append(table)
+            tables.append(state.block_ids)
             starts.append(starts[-1] + n)
-        slot_mapping = torch.tensor(slots, dtype=torch.long)
-        attn = build_attention_metadata(query_lens, context_lens, tables, bs, slot_mapping, self.attention_kernel)
+        attn = build_attention_metadata(query_lens, context_lens, tables, self.block_size,
+                                        torch.tensor(slots, dtype=torch.long), self.attention_kernel)
         spec = build_spec_decode_metadata(sample_drafts, sample_ends) if any(sample_drafts) else None
         return InputBatch(
             req_ids=list(sched.req_ids),
@@ -181,7 +205,8 @@ class ModelRunner:
             positions=self._layout_positions(torch.tensor(positions, dtype=torch.long)),
             attn=attn,
             query_start_loc=starts,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.long),
+            logits_indices=(spec.logits_indices if spec is not None
+                            else logits_indices([len(d) for d in sample_drafts], sample_ends)),
             sample_req_ids=sample_ids,
             draft_token_ids=sample_drafts,
             spec_decode_metadata=spec,
@@ -190,8 +215,6 @@ class ModelRunner:
     def _layout_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """[N] absolute indices → the model's layout: [N], or [3, N] under M-RoPE (text: equal rows)."""
         return positions.expand(3, -1) if self.uses_mrope else positions
-
-
     # ---- sampling -----------------------------------------------------------------------
     def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
         states = [self.requests[rid] for rid in req_ids]
@@ -273,61 +296,61 @@ class ModelRunner:
         draft-length policy from the request's recent acceptance."""
         k = getattr(state.sampling_params, "num_speculative_tokens", None)
         k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
-        room = self.max_model_len - len(state.token_ids) - 1
-        return self.draft_policy.num_drafts(state.req_id, max(0, min(k, room)), seeded=state.generator is not None)
+        k = min(k, max_draft_tokens(len(state.token_ids), self.max_model_len))
+        return self.draft_policy.num_drafts(state.req_id, max(0, k), seeded=state.generator is not None)
 
-    @staticmethod
-    def _target_states(batch: InputBatch, hidden: torch.Tensor, aux, take) -> tuple:
-        """(token ids, positions, hidden states, aux hidden states or None) of the target at rows `take`."""
-        return (batch.input_ids[take], positions_at(batch.positions, take), hidden[take],
-                [a[take] for a in aux] if aux is not None else None)
-
-    def _no_target_states(self, batch: InputBatch, hidden: torch.Tensor, aux) -> tuple:
-        """Empty target states (no rows) for proposers that read token ids only, made once per shape: each
-        step's four slicing ops took ~40 us once a forward pass had evicted the caches. Copies, so they do
-        not keep a step's tensors alive."""
-        key = (batch.positions.dim(), hidden.shape[1:], hidden.dtype, None if aux is None else len(aux))
-        empty = self._empty_states.get(key)
-        if empty is None:
-            ids, positions, states, aux_states = self._target_states(batch, hidden, aux, slice(0, 0))
-            empty = self._empty_states[key] = (
-                ids.clone(), positions.clone(), states.clone(),
-                [a.clone() for a in aux_states] if aux_states is not None else None)
-        return empty
+    def _target_rows(self, batch: InputBatch, sampled: dict[str, list[int]]) -> tuple[list[str], list[int], list[int]]:
+        """(requests, row index, cu offsets) of the target states the proposer declared it reads: the
+        processed rows of each request, rejected draft tails dropped."""
+        states = self.proposer.needs.target_states
+        if states is TargetStates.NONE:
+            return [], [], [0]
+        row_of = {rid: i for i, rid in enumerate(batch.req_ids)}
+        num_drafts = dict(zip(batch.sample_req_ids, map(len, batch.draft_token_ids)))
+        req_ids = batch.req_ids if states is TargetStates.ALL else batch.sample_req_ids
+        index, cu = [], [0]
+        for rid in req_ids:
+            start, end = batch.query_start_loc[row_of[rid]], batch.query_start_loc[row_of[rid] + 1]
+            num_rejected = num_drafts[rid] + 1 - len(sampled[rid]) if rid in num_drafts else 0
+            index.extend(range(start, end - num_rejected))
+            cu.append(len(index))
+        return list(req_ids), index, cu
 
     def _build_draft_inputs(self, batch: InputBatch, sampled: dict[str, list[int]], hidden: torch.Tensor,
                             aux) -> DraftInputs:
-        """Target states of the accepted tokens of each sampling request; rejected tails dropped."""
+        """What the proposer declared it needs, for the requests that got tokens this step."""
         req_ids = batch.sample_req_ids
-        if getattr(self.proposer, "uses_target_states", True):
-            row_of = {rid: i for i, rid in enumerate(batch.req_ids)}
-            index, cu = [], [0]
-            for rid, drafts in zip(req_ids, batch.draft_token_ids):
-                start, end = batch.query_start_loc[row_of[rid]], batch.query_start_loc[row_of[rid] + 1]
-                num_rejected = len(drafts) + 1 - len(sampled[rid])
-                index.extend(range(start, end - num_rejected))
-                cu.append(len(index))
-            target = self._target_states(batch, hidden, aux, torch.tensor(index, dtype=torch.long))
-        else:  # prompt lookup, suffix: token ids only
-            cu, target = [0] * (len(req_ids) + 1), self._no_target_states(batch, hidden, aux)
         states = [self.requests[rid] for rid in req_ids]
         finished, self.finished_since_draft = self.finished_since_draft, set()
-        return DraftInputs(
+        inputs = DraftInputs(
             req_ids=list(req_ids),
             sampled_token_ids=[sampled[rid] for rid in req_ids],
             next_token_ids=[sampled[rid][-1] for rid in req_ids],
             token_ids=[s.token_ids for s in states],
             num_prompt_tokens=[len(s.prompt_token_ids) for s in states],
             num_drafts=[self._num_drafts(s) for s in states],
-            target_token_ids=target[0],
-            target_positions=target[1],
-            target_hidden_states=target[2],
-            aux_hidden_states=target[3],
-            cu_num_tokens=cu,
             sampling_params=[s.sampling_params for s in states],
             generators=[s.generator for s in states],
             max_model_len=self.max_model_len,
             finished_req_ids=finished,
-            target_kv_caches=self.kv_caches,
-            block_ids=[s.block_ids for s in states],
+            block_tables={rid: self.requests[rid].block_ids for rid in batch.req_ids},
+            drafter_kv=self.drafter_kv,
         )
+        needs = self.proposer.needs
+        if needs.target_states is not TargetStates.NONE:
+            target_ids, index, inputs.cu_num_tokens = self._target_rows(batch, sampled)
+            take = torch.tensor(index, dtype=torch.long)
+            inputs.target_req_ids = target_ids
+            inputs.target_start = [self.requests[rid].num_computed_tokens for rid in target_ids]
+            inputs.target_next_token_ids = [  # the token after the kept rows
+                self.requests[rid].token_ids[first + hi - lo] for rid, first, lo, hi in zip(
+                    target_ids, inputs.target_start, inputs.cu_num_tokens, inputs.cu_num_tokens[1:])]
+            inputs.target_token_ids = batch.input_ids[take]
+            inputs.target_positions = positions_at(batch.positions, take)
+            inputs.target_hidden_states = hidden[take]
+            inputs.aux_hidden_states = [a[take] for a in aux] if aux is not None else None
+            inputs.next_positions = self._layout_positions(
+                torch.tensor([len(s.token_ids) - 1 for s in states], dtype=torch.long))
+        if needs.reads_target_kv:
+            inputs.target_kv_caches = self.kv_caches
+        return inputs

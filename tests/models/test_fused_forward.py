@@ -5,10 +5,11 @@ import torch
 from specserve.models.registry import build_model
 from specserve.ops import kernels
 from specserve.ops.attention import build_attention_metadata, kv_caches
+from tests.kernel_support import requires_c_kernels
 from tests.models.test_qwen2_vl_parity import tiny_qwen2_vl
 from tests.tiny_models import hf_config_dict, hf_state_dict, tiny_hf_model
 
-pytestmark = pytest.mark.skipif(kernels.load_kernel() is None, reason="no C compiler")
+pytestmark = requires_c_kernels
 
 BLOCK = 16
 # (request, first position, query length) per step: a prefill chunk, then a batch of two requests with
@@ -17,7 +18,7 @@ STEPS = [[(0, 0, 37)], [(0, 37, 1), (1, 0, 20)], [(0, 38, 9), (1, 20, 1)], [(1, 
 
 
 def _run(model, fused: bool, mrope: bool):
-    """Hidden states of every step and the KV caches after them."""
+    """Hidden states (and aux states, when the model is asked for them) of every step, and the KV caches."""
     model.fused_forward = fused
     shape = model.kv_cache_shape(16, BLOCK)
     caches = kv_caches(shape, torch.float32, model.num_layers)
@@ -35,8 +36,9 @@ def _run(model, fused: bool, mrope: bool):
             meta = build_attention_metadata([q for _, _, q in step], [s + q for _, s, q in step],
                                             [tables[r] for r, _, _ in step], BLOCK, torch.tensor(slots), True)
             pos = torch.tensor(positions)
-            hidden, _ = model.forward(torch.cat(ids), pos.expand(3, -1) if mrope else pos, meta, caches)
+            hidden, aux = model.forward(torch.cat(ids), pos.expand(3, -1) if mrope else pos, meta, caches)
             outputs.append(hidden.clone())
+            outputs.extend(aux or [])
     return outputs, caches
 
 
@@ -47,11 +49,14 @@ def _build(kind: str, weight_dtype):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen2_vl"])  # qwen2: qkv biases; qwen2_vl: M-RoPE
 @pytest.mark.parametrize("weight_dtype", [None, "int8"])
-def test_fused_stack_is_bitwise_the_layer_by_layer_kernels(kind, weight_dtype):
+@pytest.mark.parametrize("aux_layers", [(), (1, 0)])  # EAGLE-3's aux states, in the order asked for
+def test_fused_stack_is_bitwise_the_layer_by_layer_kernels(kind, weight_dtype, aux_layers):
     model = _build(kind, weight_dtype)
+    model.set_aux_hidden_layers(aux_layers)
     assert model.fused_forward
     fused, fused_caches = _run(model, True, kind == "qwen2_vl")
     layered, layered_caches = _run(model, False, kind == "qwen2_vl")
+    assert len(fused) == len(layered) == len(STEPS) * (1 + len(aux_layers))
     for a, b in zip(fused, layered):
         assert torch.equal(a, b)
     for (k1, v1), (k2, v2) in zip(fused_caches, layered_caches):
@@ -60,8 +65,5 @@ def test_fused_stack_is_bitwise_the_layer_by_layer_kernels(kind, weight_dtype):
 
 def test_fused_stack_is_off_where_it_does_not_apply(monkeypatch):
     assert not _build("qwen3", None).fused_forward  # q/k norms run in Python
-    hf = tiny_hf_model("llama")
-    aux = build_model(hf_config_dict(hf), hf_state_dict(hf), dtype=torch.float32, aux_hidden_layers=(1,))
-    assert not aux.fused_forward  # EAGLE-3 reads layer outputs on the way
     monkeypatch.setenv(kernels.ENV_VAR, "torch")
     assert not _build("llama", None).fused_forward

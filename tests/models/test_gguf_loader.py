@@ -3,14 +3,13 @@ synthetic GGUFs written with gguf.GGUFWriter against gguf's dequantize."""
 
 from __future__ import annotations
 
+import gguf  # a dependency of specserve, not optional: its absence is a failure, not a skip
 import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
-
-from specserve.models.gguf_loader import load_gguf, unpermute_rotary_rows  # noqa: E402
-from specserve.models.loader import ModelLoadError, load_model_weights  # noqa: E402
+from specserve.models.gguf_loader import load_gguf, unpermute_rotary_rows
+from specserve.models.loader import ModelLoadError, load_model_weights
 
 Q = gguf.GGMLQuantizationType
 

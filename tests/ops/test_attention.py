@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from specserve.ops import kernels
 from specserve.ops.attention import (build_attention_metadata, context_blocks, kernel_key_layout, kv_caches,
                                         paged_attention)
+from tests.kernel_support import requires_c_kernels
 
 BLOCK_SIZE, NUM_BLOCKS, H, HKV, D = 16, 64, 6, 2, 64
 
@@ -22,8 +22,7 @@ def _dense(q, k, v, scale):
     return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v).reshape(q_len, -1)
 
 
-KERNEL_BUILDS = kernels.load_kernel() is not None
-PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler"))]
+PATHS = [False, pytest.param(True, marks=requires_c_kernels)]
 
 
 def _run(query_lens, context_lens, block_tables, use_kernel=False, seed=0, head_dim=D, block_size=BLOCK_SIZE,
@@ -104,7 +103,7 @@ def test_long_contexts_across_key_chunks(use_kernel, query_lens, context_lens):
     _run(query_lens, context_lens, tables, use_kernel, num_blocks=num_blocks)
 
 
-@pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler")
+@requires_c_kernels
 def test_kernel_rows_do_not_depend_on_the_batch_thread_count_or_query_length():
     """Decode rows (context split over the threads) and rows inside long chunks or big batches (chunks one
     after another) take the same arithmetic: a token's output is bitwise the same however it is scheduled."""
@@ -143,7 +142,7 @@ def test_kernel_rows_do_not_depend_on_the_batch_thread_count_or_query_length():
         assert torch.equal(attend([(i, n)])[0][-1:], alone[i])
 
 
-@pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler")
+@requires_c_kernels
 def test_kernel_rows_are_bitwise_the_same_alone_and_in_a_batch():
     g = torch.Generator().manual_seed(3)
     k_cache = kernel_key_layout(torch.randn(NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=g))
@@ -204,7 +203,7 @@ def test_kv_caches_store_values_by_token_and_keys_transposed_within_blocks():
     assert k.stride() == (16 * 3 * 64, 1, 64 * 16, 16)  # [block][head][dim][slot]
 
 
-@pytest.mark.skipif(not KERNEL_BUILDS, reason="no C compiler")
+@requires_c_kernels
 def test_kernel_refuses_keys_stored_by_token():
     k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, HKV, D)
     meta = build_attention_metadata([1], [5], [[0]], BLOCK_SIZE, torch.tensor([4]), use_kernel=True)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from specserve.ops import kernels
+from tests.kernel_support import requires_c_kernels
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def test_a_failing_compiler_falls_back_to_pytorch(monkeypatch, fresh_kernel_stat
         kernels.kernel_enabled()
 
 
-@pytest.mark.skipif(kernels.load_kernel() is None, reason="no C compiler")
+@requires_c_kernels
 def test_built_once_then_loaded_from_the_cache(fresh_kernel_state):
     assert kernels.load_kernel() is not None
     built = list((fresh_kernel_state / "kernels").glob("specserve-*.so"))
@@ -53,10 +54,7 @@ def test_only_fp32_caches_use_the_kernel():
     assert not kernels.kernel_usable(torch.bfloat16)
 
 
-needs_c = pytest.mark.skipif(kernels.load_kernel() is None, reason="no C compiler")
-
-
-@needs_c
+@requires_c_kernels
 @pytest.mark.parametrize("rows", [1, 40])  # one thread, and split over threads
 def test_add_rms_norm_matches_torch(rows):
     g = torch.Generator().manual_seed(0)
@@ -71,7 +69,7 @@ def test_add_rms_norm_matches_torch(rows):
     torch.testing.assert_close(alone, expected, atol=1e-6, rtol=1e-5)
 
 
-@needs_c
+@requires_c_kernels
 @pytest.mark.parametrize("rows", [1, 40])
 def test_silu_mul_matches_torch_over_the_whole_range(rows):
     g = torch.Generator().manual_seed(1)
@@ -82,7 +80,7 @@ def test_silu_mul_matches_torch_over_the_whole_range(rows):
     torch.testing.assert_close(kernels.silu_mul(gate_up), expected, atol=1e-6, rtol=1e-6)
 
 
-@needs_c
+@requires_c_kernels
 def test_rope_rotates_q_and_k_heads_in_place_and_leaves_v():
     from specserve.models.rope import RotaryEmbedding, apply_rotary
 
@@ -100,7 +98,7 @@ def test_rope_rotates_q_and_k_heads_in_place_and_leaves_v():
 
 
 
-@needs_c
+@requires_c_kernels
 @pytest.mark.parametrize("out_f,in_f", [(96, 64), (45, 7), (960, 576), (33, 1536)])  # incl. partial blocks
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemm_matches_float64_reference(out_f, in_f, with_bias):
@@ -117,7 +115,7 @@ def test_gemm_matches_float64_reference(out_f, in_f, with_bias):
         torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-@needs_c
+@requires_c_kernels
 def test_gemm_rows_do_not_depend_on_the_batch():
     """A row's output is bitwise the same computed alone, in a verification-sized batch or in a big one:
     verified tokens see exactly the numbers plain decoding computes."""
@@ -131,7 +129,7 @@ def test_gemm_rows_do_not_depend_on_the_batch():
         assert torch.equal(part, full[start:start + rows])
 
 
-@needs_c
+@requires_c_kernels
 @pytest.mark.parametrize("out_f,in_f", [(96, 64), (45, 7), (960, 576), (33, 1536)])
 def test_int8_gemm_matches_its_dequantized_weight(out_f, in_f):
     """Weight-only int8: per-output-channel rounding within half a step, then the product of the fp32
@@ -163,7 +161,7 @@ def _lm_head_case(seed: int, n: int = 3000, k: int = 96):
     return g, w, kernels.pack_gemm_weight(w), kernels.pack_argmax_screen(w)
 
 
-@needs_c
+@requires_c_kernels
 @pytest.mark.parametrize("seed", [0, 1])
 def test_lm_head_argmax_is_the_argmax_of_the_fp32_logits(seed):
     """The int8-screened argmax is exactly torch.argmax of gemm_packed's logits: ties go to the first
@@ -180,7 +178,7 @@ def test_lm_head_argmax_is_the_argmax_of_the_fp32_logits(seed):
     assert kernels.lm_head_argmax(x[3:5].contiguous(), packed, *screen).tolist()[0] == 7
 
 
-@needs_c
+@requires_c_kernels
 @pytest.mark.parametrize("n,k", [(1001, 61), (17, 5), (48, 64)])
 def test_lm_head_argmax_on_ragged_shapes_and_outlier_activations(n, k):
     """Vocabulary sizes that do not fill the screen's 16-column blocks and widths that do not fill its
@@ -199,7 +197,7 @@ def test_lm_head_argmax_on_ragged_shapes_and_outlier_activations(n, k):
         assert torch.equal(kernels.lm_head_argmax(xr, packed, *screen), expected)
 
 
-@needs_c
+@requires_c_kernels
 def test_lm_head_argmax_settles_near_ties_with_the_gemm_rounding():
     """200 columns whose logits agree to within rounding: which one wins depends on how each sum is
     rounded, so the survivors must be recomputed exactly as the fp32 GEMM computes them."""
@@ -216,7 +214,7 @@ def test_lm_head_argmax_settles_near_ties_with_the_gemm_rounding():
     assert torch.equal(kernels.lm_head_argmax(x, packed, *screen), expected)
 
 
-@needs_c
+@requires_c_kernels
 def test_lm_head_argmax_falls_back_to_the_full_row():
     """Non-finite inputs and rows where the screen cannot narrow the field (huge inputs, many nearly
     equal logits) take the full fp32 row, with torch.argmax's answer (the first NaN included)."""
@@ -232,7 +230,7 @@ def test_lm_head_argmax_falls_back_to_the_full_row():
         assert torch.equal(kernels.lm_head_argmax(x, p, *sc), expected)
 
 
-@needs_c
+@requires_c_kernels
 def test_argmax_matches_torch_on_ties_nans_and_infinities():
     g = torch.Generator().manual_seed(1)
     for rows, cols in [(1, 49152), (6, 49152), (20, 1000), (3, 70), (2, 5)]:

@@ -9,6 +9,7 @@ import torch
 
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.proposer import DrafterNeeds, TargetStates
 from specserve.tokenizer import load_tokenizer
 from tests.models.test_qwen2_vl_parity import tiny_qwen2_vl
 
@@ -53,33 +54,50 @@ def test_every_proposer_keeps_greedy_output_under_mrope(spec, folder, prompts_an
         assert m.num_accepted_tokens == m.num_draft_tokens  # self-draft: positions and slots right
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
-def test_drafters_get_the_targets_own_positions_and_tokens(method, folder, prompts_and_reference):
-    """A proposer that reads target states gets, per request, the accepted tokens of the step with the
-    [3, T] positions the target computed them at (text: three equal rows, the absolute index); prompt
-    lookup and suffix read token ids only and get no rows."""
-    prompts, _ = prompts_and_reference
-    spec = {"method": method, "num_speculative_tokens": 3, "adaptive_draft_length": False}
-    llm = LLM(model=folder, speculative_config=dict(spec, model=folder) if method == "draft_model" else spec,
-              **ENGINE)
+@pytest.mark.parametrize("states", [TargetStates.NONE, TargetStates.ACCEPTED, TargetStates.ALL])
+def test_drafters_get_the_target_states_they_declare(states, folder, prompts_and_reference):
+    """A drafter declaring ACCEPTED gets, per sampling request, the kept tokens of the step with the
+    [3, T] positions the target computed them at (text: three equal rows, the absolute index); one
+    declaring ALL also gets partial prompt chunks, so over the run its rows cover every token of every
+    request once, in order; one declaring NONE gets no rows."""
+    prompts, reference = prompts_and_reference
+    llm = LLM(model=folder, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                "adaptive_draft_length": False}, **ENGINE)
     runner = llm.llm_engine.runner
+    runner.proposer.needs = DrafterNeeds(target_states=states)
     seen = []
     propose = runner.proposer.propose
     # histories keep growing after the call: copy them
-    runner.proposer.propose = lambda inputs: (seen.append((inputs, [list(t) for t in inputs.token_ids])),
-                                              propose(inputs))[1]
-    llm.generate(prompts[:3], PARAMS, use_tqdm=False)
+    runner.proposer.propose = lambda inputs: (seen.append(
+        (inputs, {rid: list(state.token_ids) for rid, state in runner.requests.items()})), propose(inputs))[1]
+    outs = llm.generate(prompts[:3], PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference[:3]
     assert seen
+    covered: dict[str, int] = {}  # per request: tokens [0, n) whose rows were given
+    partial_chunks = 0
+    last_history_len: dict[str, int] = {}
     for inputs, histories in seen:
-        if method == "ngram":
-            assert inputs.target_token_ids.numel() == 0 and inputs.cu_num_tokens == [0] * (len(inputs.req_ids) + 1)
+        if states is TargetStates.NONE:
+            assert inputs.target_token_ids.numel() == 0 and inputs.target_req_ids == []
             continue
+        expected_ids = inputs.req_ids if states is TargetStates.ACCEPTED else None
+        assert expected_ids is None or inputs.target_req_ids == expected_ids
+        partial_chunks += len(set(inputs.target_req_ids) - set(inputs.req_ids))
         pos = inputs.target_positions
         assert pos.shape == (3, len(inputs.target_token_ids)) and torch.equal(pos[0], pos[1])
         assert torch.equal(pos[0], pos[2]) and inputs.target_hidden_states.shape[0] == pos.shape[1]
-        for i, history in enumerate(histories):
-            lo, hi = inputs.cu_num_tokens[i], inputs.cu_num_tokens[i + 1]
-            # the tokens fed this step and kept: they end right before the token sampled last
-            assert pos[0, lo:hi].tolist() == list(range(len(history) - 1 - (hi - lo), len(history) - 1))
-            assert inputs.target_token_ids[lo:hi].tolist() == history[len(history) - 1 - (hi - lo):-1]
-            assert hi - lo >= len(inputs.sampled_token_ids[i])  # a verification keeps one row per new token
+        for j, rid in enumerate(inputs.target_req_ids):
+            lo, hi, start = inputs.cu_num_tokens[j], inputs.cu_num_tokens[j + 1], inputs.target_start[j]
+            assert pos[0, lo:hi].tolist() == list(range(start, start + hi - lo))
+            assert inputs.target_token_ids[lo:hi].tolist() == histories[rid][start:start + hi - lo]
+            if rid in inputs.req_ids:  # kept rows end right before the token sampled last
+                assert start + hi - lo == len(histories[rid]) - 1
+            if states is TargetStates.ALL:
+                assert start == covered.get(rid, 0)  # no gap, no repeat: rejected tails were dropped
+                covered[rid] = start + hi - lo
+        for i, rid in enumerate(inputs.req_ids):  # the next input's position, by the target's rule
+            assert inputs.next_positions[:, i].tolist() == [len(histories[rid]) - 1] * 3
+            last_history_len[rid] = len(histories[rid]) - 1
+    if states is TargetStates.ALL:
+        assert partial_chunks > 0  # the 24-token budget split prompts into chunks
+        assert covered == last_history_len  # every token before the last sampled one, each once

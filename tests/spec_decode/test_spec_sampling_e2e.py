@@ -1,8 +1,16 @@
-"""Penalties, logprobs, seeds and per-request control under speculation, end to end on SmolLM2."""
+"""Sampling under speculation, end to end: the target's distribution survives a sampling drafter (tiny
+random models, exact reference), and penalties, logprobs, seeds and per-request control on SmolLM2."""
+import copy
+import dataclasses
+
+import numpy as np
 import pytest
+import torch
 
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
+from tests.sample.reference import ref_probs
+from tests.tiny_models import save_hf_folder, tiny_hf_model
 
 PROMPTS = ["List the days of the week: Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. "
            "Again: Monday, Tuesday,",
@@ -63,3 +71,96 @@ def test_num_speculative_tokens_zero_turns_speculation_off_for_one_request(engin
     capped = spec.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
                                                         num_speculative_tokens=1), use_tqdm=False)[0]
     assert capped.metrics.num_draft_tokens == capped.metrics.num_drafts  # never more than 1 per step
+
+
+# ---- distribution preservation with a drafter that samples ----------------------------------------
+VOCAB = 16
+DIST_PROMPT = [3, 7, 2, 9, 4]
+DEPTH = 3  # the joint distribution of the first 3 output tokens is tested: 16**3 outcomes
+NUM_SAMPLES = 4000
+# A correct sampler fails the distribution check with probability about ALPHA per test (Pearson's
+# chi-square approximation, every bin expecting >= 5 samples); the seeds are fixed, so every run of a
+# given build gives the same verdict.
+ALPHA = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A target over a 16-token vocabulary and a drafter of its weights plus noise: far enough from it
+    that most drafts are rejected, close enough that runs of drafts are accepted, so the probabilities
+    of later draft positions are used too. A wide init keeps both distributions far from uniform."""
+    target = tiny_hf_model("llama", seed=1, vocab_size=VOCAB, initializer_range=0.2)
+    draft = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for weight in draft.parameters():
+            weight.add_(torch.randn(weight.shape, generator=g) * weight.std() * 0.2)
+    folder = tmp_path_factory.mktemp("tiny_pair")
+    return target, save_hf_folder(target, folder / "target"), save_hf_folder(draft, folder / "draft")
+
+
+def exact_distribution(hf, params: SamplingParams) -> np.ndarray:
+    """P(first DEPTH output tokens) under `params`, from transformers' logits: [VOCAB ** DEPTH]."""
+    contexts = torch.cartesian_prod(*[torch.arange(VOCAB)] * (DEPTH - 1))  # every prefix of DEPTH - 1 tokens
+    with torch.no_grad():
+        logits = hf(torch.cat([torch.tensor(DIST_PROMPT).expand(len(contexts), -1), contexts], 1)).logits
+    logits = logits[:, len(DIST_PROMPT) - 1:].double().numpy()  # [V ** (DEPTH - 1), DEPTH, V]
+    joint = np.ones(1)
+    for depth in range(DEPTH):  # rows of equal prefixes share logits at `depth`: take every V ** (D-1-d)-th
+        rows = logits[::VOCAB ** (DEPTH - 1 - depth), depth]
+        step = np.stack([ref_probs(row, params) for row in rows])  # [V ** depth, V]
+        joint = (joint[:, None] * step).ravel()
+    return joint
+
+
+def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's test of `counts` against `probs`; outcomes expected fewer than 5 times share one bin.
+    A sample of a zero-probability outcome (outside top-k/top-p) rejects outright: p = 0."""
+    if counts[probs == 0].any():
+        return 0.0
+    expected = probs * counts.sum()
+    big = expected >= 5
+    observed = np.append(counts[big], counts[~big].sum()).astype(np.float64)
+    expected = np.append(expected[big], expected[~big].sum())
+    if expected[-1] < 5:  # too little to stand alone: fold the pooled bin into the least likely one
+        least = np.argmin(expected[:-1])
+        observed[least] += observed[-1]
+        expected[least] += expected[-1]
+        observed, expected = observed[:-1], expected[:-1]
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor((len(observed) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("sampling,seeded", [
+    (dict(temperature=1.0), False),  # the batch's shared generator
+    (dict(temperature=0.8, top_k=10, top_p=0.9), True),  # each request its own generator
+], ids=["temperature", "top_k_top_p_seeded"])
+def test_a_sampling_drafter_keeps_the_target_distribution(tiny_pair, sampling, seeded):
+    """The draft model samples its drafts, so their probabilities are stored, sliced per request,
+    verified (accept with min(1, p/q), else a recovered token from max(p - q, 0)) and dropped, across
+    steps in which requests of different lengths finish and others are preempted and recomputed."""
+    hf, target, draft = tiny_pair
+    llm = LLM(model=target, max_model_len=64, block_size=4, num_kv_blocks=48, max_num_seqs=32, seed=0,
+              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+                                  "adaptive_draft_length": False})
+    max_tokens = [3, 5, 9, 14]  # requests finish at different steps while the others continue
+    params = [SamplingParams(**sampling, max_tokens=max_tokens[i % 4], ignore_eos=True, seed=i if seeded else None)
+              for i in range(NUM_SAMPLES)]
+    outs = llm.generate([{"prompt_token_ids": DIST_PROMPT}] * NUM_SAMPLES, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    m = llm.get_metrics()
+    assert m.num_preemptions > 0
+    assert m.num_accepted_tokens < 0.8 * m.num_draft_tokens  # rejections: recovered tokens
+    assert m.accepted_per_position[-1] > 0  # every position accepted at times, and bonus tokens
+
+    firsts = np.array([o.outputs[0].token_ids[:DEPTH] for o in outs])  # [NUM_SAMPLES, DEPTH]
+    counts = np.bincount(firsts @ VOCAB ** np.arange(DEPTH - 1, -1, -1), minlength=VOCAB ** DEPTH)
+    base = SamplingParams(**sampling)
+    p_value = chi_square_p_value(counts, exact_distribution(hf, base))
+    assert p_value > ALPHA, f"the first {DEPTH} tokens are not distributed as the target's (p = {p_value:.2g})"
+    # Sensitivity: the same samples against a slightly wrong target (temperature 25% higher, what a sampler
+    # that mis-scaled the logits would give) are rejected, so the check above is not vacuous.
+    wrong = dataclasses.replace(base, temperature=base.temperature * 1.25)
+    p_value = chi_square_p_value(counts, exact_distribution(hf, wrong))
+    assert p_value < ALPHA, f"the test cannot tell the target from a 25% hotter one (p = {p_value:.2g})"

@@ -1,14 +1,16 @@
 """Suffix decoding: the trie's counts against brute-force substring counts, and the proposer's drafts."""
 import random
-import time
 from collections import Counter
 
 import pytest
 import torch
 
 from specserve.config import SpeculativeConfig
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.proposer import DraftInputs
 from specserve.spec_decode.suffix import SuffixProposer, SuffixTrie, _Node
+from tests.tiny_models import save_hf_folder, tiny_hf_model
 
 
 def make_inputs(req_ids, token_ids, num_drafts, num_prompt=None, max_model_len=1 << 20, finished=()):
@@ -138,22 +140,14 @@ def test_eviction_forgets_the_oldest_request():
     assert one(p, "d", [5] + out_c[:6]) == out_c[6:10]
 
 
-def test_preempted_then_finished_replaces_its_cached_output():
-    p = proposer(cached=10)
-    one(p, "a", [1] + list(range(500, 510)))
-    p.propose(make_inputs([], [], [], finished={"a"}))  # preemption also arrives as finished
-    one(p, "a", [1] + list(range(500, 520)))
-    p.propose(make_inputs([], [], [], finished={"a"}))
-    assert list(p.global_trie.seqs.values()) == [list(range(500, 520))]
-
-
-def test_drafts_respect_num_drafts_and_max_model_len():
+def test_drafts_respect_num_drafts():
+    """num_drafts arrives already capped to fit max_model_len (the runner's max_draft_tokens)."""
     p = proposer(k=8)
     history = list(range(10)) * 3 + [0, 1]  # 32 tokens; the next ones are 2 3 4 ...
     out = p.propose(make_inputs(["a", "b", "c"], [history, list(history), list(history)], [8, 3, 0]))
     assert out.token_ids == [[2, 3, 4, 5, 6, 7, 8, 9], [2, 3, 4], []] and out.probs is None
-    for max_len, want in [(41, 8), (40, 7), (34, 1), (33, 0)]:
-        assert len(one(p, "a", history, max_model_len=max_len)) == want
+    for k, want in [(8, 8), (7, 7), (1, 1), (0, 0)]:
+        assert len(one(p, "a", history, k=k)) == want
 
 
 def test_min_token_prob_prunes_low_probability_branches():
@@ -172,24 +166,26 @@ def test_draft_length_grows_with_match_length():
         assert got == unit[match_len:match_len + min(8, -(-match_len // 2))]
 
 
-def test_timing_2k_history():
-    """Printed, not asserted (run with -s): per-token trie update and per-step propose, depth 24."""
-    rng = random.Random(0)
-    words = [rng.randrange(32000) for _ in range(400)]
-    text = [rng.choice(words) if rng.random() < 0.7 else rng.randrange(32000) for _ in range(2600)]
-    p = proposer(k=8, depth=24)
-    for i in range(20):  # a global trie of 20 finished 500-token outputs
-        one(p, f"old{i}", [1] + text[i * 100:i * 100 + 500])
-        p.propose(make_inputs([], [], [], finished={f"old{i}"}))
-    history = text[:2048]
-    t0 = time.perf_counter()
-    inputs = make_inputs(["r"], [history], [8])
-    p.propose(inputs)
-    build = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for tokens in [text[i:i + 2] for i in range(2048, 2448, 2)]:
-        history.extend(tokens)
-        p.propose(inputs)
-    step = (time.perf_counter() - t0) / 200
-    print(f"\nsuffix, 2k history, depth 24: build {build * 1e3:.1f} ms ({build / 2048 * 1e6:.1f} us/token), "
-          f"propose {step * 1e6:.0f} us/step (2 new tokens, global trie of 20 outputs)")
+def test_preempted_requests_keep_drafting_and_greedy_output_stays_plain_decodings(tmp_path):
+    """Through the engine, with a KV cache small enough that requests are preempted and recomputed: a
+    preempted request keeps its trie and resumes drafting from it, each finished request's output joins
+    the global trie once, and the tokens are plain decoding's."""
+    model = save_hf_folder(tiny_hf_model("llama"), tmp_path / "tiny")
+    engine = dict(model=model, max_model_len=128, block_size=4, num_kv_blocks=40, max_num_seqs=12)
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(0, 160, (n,), generator=g).tolist()} for n in range(4, 28, 2)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24 + 8 * (i % 3), ignore_eos=True)
+              for i in range(len(prompts))]
+    plain = LLM(**engine)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(**engine, speculative_config={"method": "suffix", "num_speculative_tokens": 4,
+                                             "adaptive_draft_length": False})
+    proposer = spec.llm_engine.runner.proposer
+    retired = []
+    retire = proposer._retire
+    proposer._retire = lambda req_id: (retired.append(req_id), retire(req_id))[1]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    m = spec.get_metrics()
+    assert m.num_preemptions > 0 and m.num_accepted_tokens > 0
+    assert retired and len(retired) == len(set(retired))  # preemption never retires a request

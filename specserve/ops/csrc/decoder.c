@@ -6,6 +6,8 @@
  * Layouts (fp32, contiguous): x [N, hidden] (the embeddings; used as the residual stream and
  * overwritten), out [N, hidden] (the final norm's output), cos/sin [N, head_dim], slot_mapping [N],
  * attention metadata as in paged_attention.c, caches as there (keys transposed within each block).
+ * aux_layers [num_aux] (ascending) names the layers whose input (the residual stream entering the layer,
+ * before its norm) is copied to aux_out [num_aux, N, hidden], for drafters that read intermediate states.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -40,7 +42,8 @@ int decoder_forward_f32(const layer_t *layers, int64_t num_layers, float *x, flo
                         const int64_t *block_table, int64_t table_width, const int64_t *query_start,
                         const int64_t *query_len, const int64_t *context_len, int64_t num_seqs, int64_t N,
                         int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
-                        int64_t block_size, float eps, float scale) {
+                        int64_t block_size, float eps, float scale, const int64_t *aux_layers, int64_t num_aux,
+                        float *aux_out) {
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
     /* h: a norm's output; qkv; q: the rotated queries, contiguous; attn; gate_up; act; mlp: a layer's
@@ -51,9 +54,12 @@ int decoder_forward_f32(const layer_t *layers, int64_t num_layers, float *x, flo
     float *h = buf, *qkv = h + N * hidden, *q = qkv + N * qkv_size, *attn = q + N * q_size;
     float *gate_up = attn + N * q_size, *act = gate_up + N * 2 * inter, *mlp = act + N * inter;
     int failed = 0;
+    int64_t next_aux = 0;
     for (int64_t i = 0; i < num_layers && !failed; i++) {
         const layer_t *L = &layers[i];
         add_rms_norm_f32(i ? mlp : NULL, x, L->input_norm, h, N, hidden, eps);
+        if (next_aux < num_aux && aux_layers[next_aux] == i)  /* x now holds the layer's input */
+            memcpy(aux_out + next_aux++ * N * hidden, x, sizeof(float) * N * hidden);
         linear(&L->qkv, h, qkv, N, hidden, qkv_size);
         rope_qk_f32(qkv, cos, sin, N, qkv_size, num_heads + num_kv_heads, head_dim);
         for (int64_t t = 0; t < N; t++) {

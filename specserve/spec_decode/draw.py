@@ -1,0 +1,64 @@
+"""How a model drafter turns its outputs into drafts: argmax for greedy requests, and for sampling requests
+a sample from its own distribution q, shaped by the request's sampling parameters exactly as the target's
+p is, so the rejection sampler can verify it losslessly."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from specserve.sample.metadata import SamplingMetadata
+from specserve.sample.sampler import compute_probs, random_sample
+from specserve.spec_decode.proposer import DraftInputs, Drafts
+
+
+def draft_sampling_metadata(inputs: DraftInputs, rows: list[int], vocab_size: int) -> SamplingMetadata:
+    """Sampling metadata of requests `rows` (indices into inputs.req_ids); no EOS handling for drafts."""
+    return SamplingMetadata.build(
+        params=[inputs.sampling_params[i] for i in rows],
+        output_token_ids=[inputs.token_ids[i][inputs.num_prompt_tokens[i]:] for i in rows],
+        prompt_token_ids=[inputs.token_ids[i][: inputs.num_prompt_tokens[i]] for i in rows],
+        generators=[inputs.generators[i] for i in rows],
+        eos_token_ids=set(),
+        vocab_size=vocab_size,
+    )
+
+
+def draw(meta: SamplingMetadata, argmax: Callable[[], torch.Tensor], logits: Callable[[], torch.Tensor]
+         ) -> tuple[list[int], torch.Tensor | None]:
+    """argmax() -> [rows] token ids; logits() -> [rows, vocab] over the target vocabulary. Returns the
+    drafts and, unless every row is greedy, q [rows, vocab] (greedy rows one-hot)."""
+    if meta.all_greedy:
+        return argmax().tolist(), None
+    probs = compute_probs(logits(), meta)
+    return random_sample(probs, meta.generators).tolist(), probs
+
+
+def draft_chains(inputs: DraftInputs, rows: list[int], state: torch.Tensor,
+                 draw_rows: Callable[[list[int], torch.Tensor], tuple[list[int], torch.Tensor | None]],
+                 advance: Callable[[list[int], list[int], int], torch.Tensor]) -> Drafts:
+    """Up to num_drafts[i] drafts for each request i in `rows`, one token a step.
+
+    state: [len(rows), ...] what the first draft is drawn from (logits, or a head's hidden states);
+    draw_rows(live, state) -> (one token per live row, q or None); advance(live, last tokens, step) -> the
+    next state of the live rows, after feeding each its newest draft. Only rows still drafting draw, so a
+    seeded request's draws never depend on its batch-mates.
+    """
+    drafts: list[list[int]] = [[] for _ in inputs.req_ids]
+    step_probs: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
+    live, step = rows, 0
+    while live:
+        tokens, p = draw_rows(live, state)
+        for j, i in enumerate(live):
+            drafts[i].append(tokens[j])
+            if p is not None:
+                step_probs[i].append(p[j])
+        live = [i for i in live if len(drafts[i]) < inputs.num_drafts[i]]
+        if live:
+            state = advance(live, [drafts[i][-1] for i in live], step)
+        step += 1
+    probs: list[torch.Tensor | None] = [None] * len(inputs.req_ids)
+    for i in rows:
+        if step_probs[i] and not inputs.sampling_params[i].is_greedy:
+            probs[i] = torch.stack(step_probs[i])
+    return Drafts(drafts, probs)

@@ -23,7 +23,7 @@ DEFAULT_METHODS = "ngram,suffix,draft_model"
 # tokens of context, and an int8 self-draft ~0.5 of a step per draft token. ngram's k is 8: replaying plain
 # decoding's outputs (benchmarks/spec_replay.py) at 2% per draft, k=8 matches k=5 everywhere but
 # extraction, where long copies make it better (3.32 vs 3.01 tokens per unit of cost).
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 5, "draft_model": 4}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 5, "draft_model": 4, "eagle": 4, "eagle3": 4, "medusa": 3}
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens, as in ANCHORS.md
 WARMUP_TOKENS = 16
 # Not a Spec-Bench question, so warming up leaves nothing in the prefix or suffix caches that a measured
@@ -31,8 +31,8 @@ WARMUP_TOKENS = 16
 WARMUP_MESSAGE = "Write two sentences about the sea."
 
 PLAIN, HF_PLAIN, HF_PROMPT_LOOKUP = "plain", "hf_plain", "hf_prompt_lookup"
-LABELS = {PLAIN: "specserve plain", "ngram": "specserve ngram", "suffix": "specserve suffix",
-          "draft_model": "specserve draft_model", HF_PLAIN: "transformers plain",
+LABELS = {PLAIN: "specserve plain", **{m: f"specserve {m}" for m in DEFAULT_NUM_SPECULATIVE_TOKENS},
+          HF_PLAIN: "transformers plain",
           HF_PROMPT_LOOKUP: f"transformers prompt lookup ({HF_PROMPT_LOOKUP_TOKENS})"}
 
 
@@ -98,7 +98,8 @@ def add_parser(bench_sub) -> None:
                    help="new tokens per request; EOS is ignored so every method makes exactly this many")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma-separated speculative methods to run besides plain decoding: ngram, suffix, "
-                        "draft_model (default: %(default)s)")
+                        "draft_model, eagle, eagle3, medusa (the last three take their head folder through "
+                        "--spec-config-json, e.g. '{\"eagle3\": {\"model\": \"PATH\"}}') (default: %(default)s)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help=f"k for every speculative method (default per method: {DEFAULT_NUM_SPECULATIVE_TOKENS})")
     p.add_argument("--spec-config-json", type=json.loads, default=None,

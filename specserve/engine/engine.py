@@ -15,6 +15,7 @@ from specserve.engine.scheduler import Scheduler, SchedulerConfig
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
 from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.proposer import TargetStates
 from specserve.tokenizer import load_tokenizer
 from specserve.worker.model_runner import ModelRunner
 
@@ -48,7 +49,10 @@ class LLMEngine:
                                   self.spec_config, config.linear_weight_dtype)
         num_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        needs = self.runner.drafter_needs
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching,
+            recompute_last_hit_block=needs is not None and needs.target_states is TargetStates.ALL)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, self.runner.num_lookahead_tokens),
                                    self.kv_cache_manager)

@@ -118,11 +118,17 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Maps requests to blocks; prefix caching by a hash chain over full, verified blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 recompute_last_hit_block: bool = False) -> None:
+        """recompute_last_hit_block: a prefix hit leaves its last block to compute. For drafters whose KV
+        slot p pairs the target's state of token p with token p + 1 (EAGLE), a cached block's last slot
+        holds the token that followed it in the request that filled it; recomputing the block gives this
+        request's own pairing (and the target's state of the last hit token, which the drafter needs)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.recompute_last_hit_block = recompute_last_hit_block
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -161,6 +167,8 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        if self.recompute_last_hit_block and blocks:
+            blocks.pop()
         # Counted in allocate_slots once the request is admitted, not here (see there).
         return blocks, len(blocks) * self.block_size
 

@@ -90,7 +90,7 @@ class _EagleHeadBase:
         self.config = _draft_config(ckpt)
         self.dtype = target.dtype
         self.c_ops = kernels.kernel_usable(self.dtype)
-        self.uses_mrope = bool(getattr(target, "uses_mrope", False))
+        self.uses_mrope = target.uses_mrope
         self.rotary = _draft_rotary(self.config, target, ckpt.source)
         self.target_hidden_size = target.config.hidden_size
         self.hidden_size = self.config.hidden_size
@@ -287,7 +287,7 @@ def _draft_rotary(cfg: DecoderConfig, target, source: str) -> RotaryEmbedding:
     """The draft's RoPE: the draft config's rope_theta/scaling (10000 when it names none), over positions
     the target may reach; for an M-RoPE target with the target's sections, so the draft reads the same
     [3, N] positions the target saw. The target's own tables when the settings agree."""
-    tc, mrope = target.config, getattr(target, "uses_mrope", False)
+    tc, mrope = target.config, target.uses_mrope
     max_position = max(cfg.max_position_embeddings, tc.max_position_embeddings)
     if (cfg.head_dim == tc.head_dim and cfg.rope_theta == tc.rope_theta and max_position <= target.rotary.max_position
             and (mrope or cfg.rope_scaling == tc.rope_scaling)):

@@ -166,6 +166,8 @@ class DecoderLayer:
 class LlamaForCausalLM:
     """The decoder plus its LM head; `forward` returns final hidden states, `compute_logits` the logits."""
 
+    uses_mrope = False  # positions are [N]; the Qwen2-VL family takes [3, N]
+
     def __init__(self, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                  aux_hidden_layers: tuple[int, ...] = (), weight_dtype=None) -> None:
         """dtype: activations and KV cache; weight_dtype: how linear weights are stored (see make_linear)."""

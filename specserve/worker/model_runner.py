@@ -18,7 +18,7 @@ from specserve.sample.sampler import Sampler
 from specserve.sample.spec_metadata import SpecDecodeMetadata, build_spec_decode_metadata, logits_indices
 from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.policy import DraftLengthPolicy
-from specserve.spec_decode.proposer import DraftInputs, Proposer, TargetInfo, TargetStates, make_proposer
+from specserve.spec_decode.proposer import DraftInputs, DrafterNeeds, Proposer, TargetInfo, TargetStates, make_proposer
 from specserve.types import SchedulerOutput, max_draft_tokens
 from specserve.worker.threads import ThreadPolicy
 
@@ -83,7 +83,7 @@ class ModelRunner:
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = model.config.vocab_size
         self.max_model_len = max_model_len
-        self.uses_mrope = getattr(model, "uses_mrope", False)
+        self.uses_mrope = model.uses_mrope
         self.proposer: Proposer | None = None
         self.num_speculative_tokens = 0
         self.draft_policy = DraftLengthPolicy()
@@ -102,6 +102,10 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # [n, vocab] of drafts awaiting verification
         self.finished_since_draft: set[str] = set()
+
+    @property
+    def drafter_needs(self) -> DrafterNeeds | None:
+        return self.proposer.needs if self.proposer is not None else None
 
     @property
     def num_lookahead_tokens(self) -> int:

@@ -386,3 +386,16 @@ def test_usage_counts_referenced_blocks_only():
     assert kv.usage == pytest.approx(3 / 8)
     kv.free(a)  # cached but free blocks do not count as used
     assert kv.usage == 0.0
+
+
+@pytest.mark.parametrize("recompute_last", [False, True])
+def test_a_drafter_reading_every_tokens_state_recomputes_the_last_hit_block(recompute_last):
+    """With EAGLE a cached block's last drafter slot pairs its token with the next token of the request
+    that filled it: the last hit block is computed again, so this request writes its own pairing."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS, recompute_last_hit_block=recompute_last)
+    first = make_request("a", list(range(13)))  # three full blocks committed
+    admit(kv, first)
+    kv.free(first)
+    second = make_request("b", list(range(12)) + [99, 98])  # the same three blocks, then other tokens
+    blocks, num_hit = kv.get_computed_blocks(second)
+    assert num_hit == (8 if recompute_last else 12) and len(blocks) == num_hit // BS

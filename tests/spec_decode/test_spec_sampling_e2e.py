@@ -141,9 +141,18 @@ def test_a_sampling_drafter_keeps_the_target_distribution(tiny_pair, sampling, s
     verified (accept with min(1, p/q), else a recovered token from max(p - q, 0)) and dropped, across
     steps in which requests of different lengths finish and others are preempted and recomputed."""
     hf, target, draft = tiny_pair
+    m = check_first_tokens_follow_the_target(hf, target, {"method": "draft_model", "model": draft,
+                                                          "num_speculative_tokens": 3}, sampling, seeded)
+    assert m.num_accepted_tokens < 0.8 * m.num_draft_tokens  # rejections: recovered tokens
+
+
+def check_first_tokens_follow_the_target(hf, target: str, spec: dict, sampling: dict, seeded: bool):
+    """NUM_SAMPLES requests with speculation `spec`, finishing at different steps, with preemption: their
+    first DEPTH tokens pass a chi-square test against the exact target distribution at false-alarm rate
+    ALPHA (seeds fixed: each run gives the same verdict), while the same counts reject a 25% hotter
+    target, so the check is not vacuous. Returns the engine's metrics."""
     llm = LLM(model=target, max_model_len=64, block_size=4, num_kv_blocks=48, max_num_seqs=32, seed=0,
-              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
-                                  "adaptive_draft_length": False})
+              speculative_config=dict(spec, adaptive_draft_length=False))
     max_tokens = [3, 5, 9, 14]  # requests finish at different steps while the others continue
     params = [SamplingParams(**sampling, max_tokens=max_tokens[i % 4], ignore_eos=True, seed=i if seeded else None)
               for i in range(NUM_SAMPLES)]
@@ -151,16 +160,13 @@ def test_a_sampling_drafter_keeps_the_target_distribution(tiny_pair, sampling, s
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
     m = llm.get_metrics()
     assert m.num_preemptions > 0
-    assert m.num_accepted_tokens < 0.8 * m.num_draft_tokens  # rejections: recovered tokens
     assert m.accepted_per_position[-1] > 0  # every position accepted at times, and bonus tokens
-
     firsts = np.array([o.outputs[0].token_ids[:DEPTH] for o in outs])  # [NUM_SAMPLES, DEPTH]
     counts = np.bincount(firsts @ VOCAB ** np.arange(DEPTH - 1, -1, -1), minlength=VOCAB ** DEPTH)
     base = SamplingParams(**sampling)
     p_value = chi_square_p_value(counts, exact_distribution(hf, base))
     assert p_value > ALPHA, f"the first {DEPTH} tokens are not distributed as the target's (p = {p_value:.2g})"
-    # Sensitivity: the same samples against a slightly wrong target (temperature 25% higher, what a sampler
-    # that mis-scaled the logits would give) are rejected, so the check above is not vacuous.
     wrong = dataclasses.replace(base, temperature=base.temperature * 1.25)
     p_value = chi_square_p_value(counts, exact_distribution(hf, wrong))
     assert p_value < ALPHA, f"the test cannot tell the target from a 25% hotter one (p = {p_value:.2g})"
+    return m

@@ -48,7 +48,8 @@ def test_spec_configs_overrides():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--methods", "medusa"], "unknown method"),
+    (["--methods", "lookahead"], "unknown method"),
+    (["--methods", "medusa"], "model is required for method 'medusa'"),
     (["--methods", "ngram,ngram"], "twice"),
     (["--methods", "draft_model", "--spec-config-json", '{"draft_model": {"quantization": "int4"}}'],
      "quantization must be"),

@@ -63,6 +63,7 @@ class DrafterCheckpoint:
     num_heads: int = 0
     num_layers: list[int] = field(default_factory=list)
     ignored_keys: list[str] = field(default_factory=list)
+    file_names: dict[str, str] = field(default_factory=dict)  # canonical name -> the name in the file
 
     def aux_layers_for(self, num_target_layers: int) -> tuple[int, ...]:
         """EAGLE-3's three target layers, "input of layer i": the config's ids, else (2, L // 2, L - 3).
@@ -117,7 +118,9 @@ def expect_tensor(checkpoint: DrafterCheckpoint, name: str, shape: tuple[int, ..
     if tensor is None:
         raise ModelLoadError(f"{checkpoint.source}: missing tensor {name!r}, expected shape {list(shape)}{note}")
     if tuple(tensor.shape) != tuple(shape):
-        raise ModelLoadError(f"{checkpoint.source}: tensor {name!r} has shape {list(tensor.shape)}, expected "
+        in_file = checkpoint.file_names.get(name, name)
+        where = f" (in the file: {in_file!r})" if in_file != name else ""
+        raise ModelLoadError(f"{checkpoint.source}: tensor {name!r}{where} has shape {list(tensor.shape)}, expected "
                              f"{list(shape)}{note}")
     return tensor
 
@@ -222,7 +225,7 @@ def _strip(name: str, prefixes: tuple[str, ...]) -> str:
 
 
 def _eagle_checkpoint(source: str, family: str, config: dict, state: dict[str, torch.Tensor]) -> DrafterCheckpoint:
-    canonical, ignored = {}, []
+    canonical, ignored, file_names = {}, [], {}
     for name, tensor in state.items():
         key = _strip(name, ("model.",))
         if key.startswith("midlayer."):
@@ -238,6 +241,7 @@ def _eagle_checkpoint(source: str, family: str, config: dict, state: dict[str, t
             ignored.append(name)
             continue
         canonical[key] = tensor
+        file_names[key] = name
     if "fc.weight" not in canonical:
         shape = "[H, 3 * target hidden]" if family == "eagle3" else "[H, 2H]"
         raise ModelLoadError(f"{source}: missing tensor 'fc.weight' ({shape}); found {_preview(state)}")
@@ -245,7 +249,8 @@ def _eagle_checkpoint(source: str, family: str, config: dict, state: dict[str, t
         raise ModelLoadError(f"{source}: tensor 'd2t' must hold integers (draft-to-target id offsets), got "
                              f"{canonical['d2t'].dtype}")
     layer_config = _eagle_layer_config(source, config)
-    checkpoint = DrafterCheckpoint(family, layer_config, canonical, source, ignored_keys=sorted(ignored))
+    checkpoint = DrafterCheckpoint(family, layer_config, canonical, source, ignored_keys=sorted(ignored),
+                                   file_names=file_names)
     if family == "eagle3":
         aux = ((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
                or config.get("eagle_aux_hidden_state_layer_ids"))  # official / speculators
@@ -283,17 +288,18 @@ def _medusa_checkpoint(source: str, config: dict, state: dict[str, torch.Tensor]
         state = {n[len("medusa_head."):]: t for n, t in state.items() if n.startswith("medusa_head.")}
     else:
         ignored = []
-    blocks: dict[tuple[int, int, str], torch.Tensor] = {}
-    heads: dict[tuple[int, int | None, str], torch.Tensor] = {}  # (head, position index or None, kind)
+    blocks: dict[tuple[int, int, str], tuple[str, torch.Tensor]] = {}  # values: (name in the file, tensor)
+    heads: dict[tuple[int, int | None, str], tuple[str, torch.Tensor]] = {}  # (head, position or None, kind)
     canonical: dict[str, torch.Tensor] = {}
+    file_names: dict[str, str] = {}
     for name, tensor in state.items():
         key = _strip(name, ("model.",))
         if m := _FASTERDECODING_BLOCK.match(key) or _VLLM_BLOCK.match(key):
-            blocks[int(m[1]), int(m[2]), m[3]] = tensor
+            blocks[int(m[1]), int(m[2]), m[3]] = name, tensor
         elif m := _FASTERDECODING_HEAD.match(key):
-            heads[int(m[1]), int(m[2]), m[3]] = tensor
+            heads[int(m[1]), int(m[2]), m[3]] = name, tensor
         elif m := _VLLM_HEAD.match(key):
-            heads[int(m[1]), None, m[2]] = tensor
+            heads[int(m[1]), None, m[2]] = name, tensor
         elif key == "token_map":
             canonical["token_map"] = tensor
         else:
@@ -311,18 +317,20 @@ def _medusa_checkpoint(source: str, config: dict, state: dict[str, torch.Tensor]
         if layers != list(range(len(layers))):
             raise ModelLoadError(f"{source}: Medusa head {i} has ResBlocks {layers}, expected 0..n-1")
         num_layers.append(len(layers))
-        for (h, j, kind), tensor in blocks.items():
+        for (h, j, kind), (name, tensor) in blocks.items():
             if h == i:
                 canonical[f"blocks.{i}.layers.{j}.{kind}"] = tensor
-        for (h, j, kind), tensor in heads.items():
+                file_names[f"blocks.{i}.layers.{j}.{kind}"] = name
+        for (h, j, kind), (name, tensor) in heads.items():
             if h != i:
                 continue
             if j is not None and j != len(layers):  # FasterDecoding: the projection follows the ResBlocks
                 raise ModelLoadError(f"{source}: unexpected tensor '{i}.{j}.{kind}': head {i} has {len(layers)} "
                                      f"ResBlock(s), so its vocabulary projection is '{i}.{len(layers)}.weight'")
             canonical[f"lm_heads.{i}.{kind}"] = tensor
+            file_names[f"lm_heads.{i}.{kind}"] = name
     return DrafterCheckpoint("medusa", config, canonical, source, num_heads=len(head_ids), num_layers=num_layers,
-                             ignored_keys=sorted(ignored))
+                             ignored_keys=sorted(ignored), file_names=file_names)
 
 
 def cast_weight(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -116,7 +116,7 @@ def test_wrong_hidden_size_names_the_tensor_and_both_shapes(tmp_path, hf_target)
     with pytest.raises(ModelLoadError, match=re.escape("'fc.weight' has shape [64, 128], expected [48, 96]")):
         EagleHead(eagle, narrow)
     medusa = load_drafter_checkpoint(write_medusa(str(tmp_path / "m"), hf_target.config).folder)
-    expected = "'blocks.0.layers.0.weight' has shape [64, 64], expected [48, 48]"
+    expected = "'blocks.0.layers.0.weight' (in the file: '0.0.linear.weight') has shape [64, 64], expected [48, 48]"
     with pytest.raises(ModelLoadError, match=re.escape(expected)):
         MedusaHeads(medusa, narrow)
     eagle3 = load_drafter_checkpoint(write_eagle3(str(tmp_path / "e3"), hf_target.config).folder)
@@ -132,7 +132,7 @@ def test_wrong_vocabulary_names_the_tensor_and_both_shapes(tmp_path, hf_target):
     with pytest.raises(ModelLoadError, match=re.escape(expected)):
         EagleHead(eagle, small)
     medusa = load_drafter_checkpoint(write_medusa(str(tmp_path / "m"), hf_target.config).folder)
-    with pytest.raises(ModelLoadError, match=re.escape("'lm_heads.0.weight' has shape [160, 64], expected [120, 64]")):
+    with pytest.raises(ModelLoadError, match=re.escape("'lm_heads.0.weight' (in the file: '0.1.weight') has shape [160, 64], expected [120, 64]")):
         MedusaHeads(medusa, small)
     eagle3 = load_drafter_checkpoint(write_eagle3(str(tmp_path / "e3"), hf_target.config, draft_vocab_size=150).folder)
     with pytest.raises(ModelLoadError, match=r"'d2t' maps draft ids to target ids in \[\d+, 1[2-5]\d\], outside the "
@@ -175,8 +175,9 @@ def test_missing_or_misshapen_layer_tensors(tmp_path, hf_target):
         EagleHead(load_drafter_checkpoint(folder), target)
     written = write_eagle3(str(tmp_path / "e3"), hf_target.config)
     _rewrite(written.folder, add={"midlayer.self_attn.q_proj.weight": torch.zeros(64, 64)})
-    with pytest.raises(ModelLoadError, match=re.escape("'layers.0.self_attn.q_proj.weight' has shape [64, 64], "
-                                                       "expected [64, 128]")):
+    expected = ("'layers.0.self_attn.q_proj.weight' (in the file: 'midlayer.self_attn.q_proj.weight') has shape "
+                "[64, 64], expected [64, 128]")
+    with pytest.raises(ModelLoadError, match=re.escape(expected)):
         Eagle3Head(load_drafter_checkpoint(written.folder), target_model(hf_target))
 
 

@@ -553,10 +553,14 @@ BAD_CHECKPOINTS = {
 }
 
 
+def assert_refused_at_build(target: Target, folder: str, write: Callable, message: str) -> None:
+    """A checkpoint written by write(folder, target.hf) makes LLM(...) raise, naming what does not fit."""
+    written = write(folder, target.hf)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(model=target.folder, speculative_config={"method": written.family, "model": written.folder,
+                                                     "num_speculative_tokens": K}, **TIGHT)
+
+
 @pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
 def test_a_checkpoint_that_does_not_fit_fails_when_the_llm_is_built(case, llama, tmp_path):
-    write, message = BAD_CHECKPOINTS[case]
-    written = write(str(tmp_path), llama.hf)
-    with pytest.raises(ModelLoadError, match=message):
-        LLM(model=llama.folder, speculative_config={"method": written.family, "model": written.folder,
-                                                    "num_speculative_tokens": K}, **TIGHT)
+    assert_refused_at_build(llama, str(tmp_path), *BAD_CHECKPOINTS[case])

@@ -9,12 +9,10 @@ from typing import Callable
 import pytest
 import torch
 
-from specserve.llm import LLM
-from specserve.models.loader import ModelLoadError
 from tests.models.drafter_checkpoints import WrittenDrafter, rewrite_tensors, target_fields, write_medusa
 from tests.models.test_medusa_heads import reference_logits
-from tests.spec_decode.test_eagle_e2e import (K, TIGHT, DraftStep, Target, hf_states, llama_target,
-                                              partial_acceptances, qwen_target, run_drafter)
+from tests.spec_decode.test_eagle_e2e import (K, DraftStep, Target, assert_refused_at_build, hf_states,
+                                              llama_target, partial_acceptances, qwen_target, run_drafter)
 
 NUM_HEADS = 3
 
@@ -159,8 +157,4 @@ BAD_CHECKPOINTS = {
 
 @pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
 def test_a_checkpoint_that_does_not_fit_fails_when_the_llm_is_built(case, llama, tmp_path):
-    write, message = BAD_CHECKPOINTS[case]
-    written = write(str(tmp_path), llama.hf)
-    with pytest.raises(ModelLoadError, match=message):
-        LLM(model=llama.folder, speculative_config={"method": "medusa", "model": written.folder,
-                                                    "num_speculative_tokens": K}, **TIGHT)
+    assert_refused_at_build(llama, str(tmp_path), *BAD_CHECKPOINTS[case])

@@ -17,7 +17,7 @@ from specserve.models.registry import build_model
 from specserve.ops.kernels import argmax_rows
 from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.draw import draft_chains, draft_sampling_metadata, draw
-from specserve.spec_decode.proposer import DraftInputs, DrafterKVSpec, DrafterNeeds, Drafts, TargetInfo
+from specserve.spec_decode.proposer import DraftInputs, KVCacheSpec, DrafterNeeds, Drafts, TargetInfo
 
 
 class DraftModelProposer:
@@ -35,7 +35,7 @@ class DraftModelProposer:
         self.copies_target_kv = _is_self_draft(self.model, target.model)
         cfg = self.model.config
         self.needs = DrafterNeeds(
-            kv=DrafterKVSpec(self.model.num_layers, cfg.num_key_value_heads, cfg.head_dim, self.model.dtype),
+            kv=KVCacheSpec(self.model.num_layers, cfg.num_key_value_heads, cfg.head_dim, self.model.dtype),
             num_lookahead_tokens=spec_config.num_speculative_tokens, reads_target_kv=self.copies_target_kv)
 
     @torch.inference_mode()

@@ -13,11 +13,11 @@ import torch
 from specserve.ops.attention import AttentionMetadata, kv_caches, paged_metadata, slot_ids
 from specserve.ops import kernels
 from specserve.ops.kernels import kernel_usable
-from specserve.spec_decode.proposer import DrafterKVSpec
+from specserve.spec_decode.proposer import KVCacheSpec
 
 
 class DrafterKVCache:
-    def __init__(self, spec: DrafterKVSpec, num_blocks: int, block_size: int) -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int) -> None:
         self.spec = spec
         self.block_size = block_size
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)

@@ -17,7 +17,7 @@ import torch
 from specserve.models.drafter_loader import build_drafter_head, load_drafter_checkpoint
 from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.draw import draft_chains, draft_sampling_metadata, draw
-from specserve.spec_decode.proposer import (DraftInputs, DrafterKVSpec, DrafterNeeds, Drafts, TargetInfo,
+from specserve.spec_decode.proposer import (DraftInputs, KVCacheSpec, DrafterNeeds, Drafts, TargetInfo,
                                             TargetStates)
 
 
@@ -29,7 +29,7 @@ class EagleProposer:
         cfg = self.head.config
         self.needs = DrafterNeeds(
             target_states=TargetStates.ALL, aux_layers=tuple(self.head.aux_layer_ids),
-            kv=DrafterKVSpec(1, cfg.num_key_value_heads, cfg.head_dim, self.head.dtype),
+            kv=KVCacheSpec(1, cfg.num_key_value_heads, cfg.head_dim, self.head.dtype),
             num_lookahead_tokens=spec_config.num_speculative_tokens)
 
     @torch.inference_mode()

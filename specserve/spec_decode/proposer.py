@@ -25,8 +25,9 @@ class TargetStates(enum.Enum):
 
 
 @dataclass(frozen=True)
-class DrafterKVSpec:
-    """The paged KV a drafter keeps: its layers, in blocks that follow the target's block tables."""
+class KVCacheSpec:
+    """A paged KV cache's layers and their shape (the target's, or a drafter's in blocks that follow the
+    target's block tables)."""
 
     num_layers: int
     num_kv_heads: int
@@ -42,7 +43,7 @@ class DrafterNeeds:
     target_states: TargetStates = TargetStates.NONE
     # Target layers whose inputs (the residual stream entering layer i) the drafter reads, in this order.
     aux_layers: tuple[int, ...] = ()
-    kv: DrafterKVSpec | None = None  # the drafter's own paged KV, from the engine's memory budget
+    kv: KVCacheSpec | None = None  # the drafter's own paged KV, from the engine's memory budget
     # KV slots written ahead of the verified history (a drafter that feeds its k - 1 drafts back to itself).
     num_lookahead_tokens: int = 0
     reads_target_kv: bool = False  # copies the target's verified KV (a self-draft)
@@ -83,7 +84,8 @@ class DraftInputs:
     # the target uses for text).
     next_positions: torch.Tensor = _EMPTY
     finished_req_ids: set[str] = field(default_factory=set)  # finished requests: forget their state
-    block_tables: dict[str, list[int]] = field(default_factory=dict)  # every request of the step
+    # every request of the step's blocks, for a drafter that keeps KV (its slots follow the target's)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
     drafter_kv: DrafterKVCache | None = None  # the drafter's own KV, when it declares one
     # The target's per-layer (k, v) caches, for a drafter that reads the target's KV; positions
     # < len(token_ids[i]) - 1 hold verified KV.

@@ -18,7 +18,8 @@ from specserve.sample.sampler import Sampler
 from specserve.sample.spec_metadata import SpecDecodeMetadata, build_spec_decode_metadata, logits_indices
 from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.policy import DraftLengthPolicy
-from specserve.spec_decode.proposer import DraftInputs, DrafterNeeds, Proposer, TargetInfo, TargetStates, make_proposer
+from specserve.spec_decode.proposer import (DraftInputs, DrafterNeeds, KVCacheSpec, Proposer, TargetInfo,
+                                            TargetStates, make_proposer)
 from specserve.types import SchedulerOutput, max_draft_tokens
 from specserve.worker.threads import ThreadPolicy
 
@@ -115,10 +116,10 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block of the target's KV plus the drafter's (which follows the same tables)."""
         cfg = self.model.config
-        target = 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim
-        drafter_kv = self.proposer.needs.kv if self.proposer is not None else None
-        return (target * self.model.dtype.itemsize
-                + (drafter_kv.bytes_per_block(self.block_size) if drafter_kv is not None else 0))
+        specs = [KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.model.dtype)]
+        if self.proposer is not None and self.proposer.needs.kv is not None:
+            specs.append(self.proposer.needs.kv)
+        return sum(spec.bytes_per_block(self.block_size) for spec in specs)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = kv_caches(self.model.kv_cache_shape(num_blocks, self.block_size), self.model.dtype,
@@ -219,6 +220,7 @@ class ModelRunner:
     def _layout_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """[N] absolute indices → the model's layout: [N], or [3, N] under M-RoPE (text: equal rows)."""
         return positions.expand(3, -1) if self.uses_mrope else positions
+
     # ---- sampling -----------------------------------------------------------------------
     def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
         states = [self.requests[rid] for rid in req_ids]
@@ -307,8 +309,6 @@ class ModelRunner:
         """(requests, row index, cu offsets) of the target states the proposer declared it reads: the
         processed rows of each request, rejected draft tails dropped."""
         states = self.proposer.needs.target_states
-        if states is TargetStates.NONE:
-            return [], [], [0]
         row_of = {rid: i for i, rid in enumerate(batch.req_ids)}
         num_drafts = dict(zip(batch.sample_req_ids, map(len, batch.draft_token_ids)))
         req_ids = batch.req_ids if states is TargetStates.ALL else batch.sample_req_ids
@@ -337,10 +337,11 @@ class ModelRunner:
             generators=[s.generator for s in states],
             max_model_len=self.max_model_len,
             finished_req_ids=finished,
-            block_tables={rid: self.requests[rid].block_ids for rid in batch.req_ids},
             drafter_kv=self.drafter_kv,
         )
         needs = self.proposer.needs
+        if needs.kv is not None:  # its slots follow the target's block tables
+            inputs.block_tables = {rid: self.requests[rid].block_ids for rid in batch.req_ids}
         if needs.target_states is not TargetStates.NONE:
             target_ids, index, inputs.cu_num_tokens = self._target_rows(batch, sampled)
             take = torch.tensor(index, dtype=torch.long)

@@ -132,7 +132,8 @@ def test_wrong_vocabulary_names_the_tensor_and_both_shapes(tmp_path, hf_target):
     with pytest.raises(ModelLoadError, match=re.escape(expected)):
         EagleHead(eagle, small)
     medusa = load_drafter_checkpoint(write_medusa(str(tmp_path / "m"), hf_target.config).folder)
-    with pytest.raises(ModelLoadError, match=re.escape("'lm_heads.0.weight' (in the file: '0.1.weight') has shape [160, 64], expected [120, 64]")):
+    expected = "'lm_heads.0.weight' (in the file: '0.1.weight') has shape [160, 64], expected [120, 64]"
+    with pytest.raises(ModelLoadError, match=re.escape(expected)):
         MedusaHeads(medusa, small)
     eagle3 = load_drafter_checkpoint(write_eagle3(str(tmp_path / "e3"), hf_target.config, draft_vocab_size=150).folder)
     with pytest.raises(ModelLoadError, match=r"'d2t' maps draft ids to target ids in \[\d+, 1[2-5]\d\], outside the "

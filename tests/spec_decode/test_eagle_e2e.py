@@ -324,16 +324,6 @@ def qwen_target(tmp_path_factory) -> Target:
     return plain_target(hf, save_qwen2_vl(hf, tmp_path_factory.mktemp("qwen2_vl")), mrope_text_positions)
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Target:
-    return llama_target(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory) -> Target:
-    return qwen_target(tmp_path_factory)
-
-
 @dataclass
 class Run:
     target: Target

@@ -12,20 +12,9 @@ import torch
 from tests.models.drafter_checkpoints import WrittenDrafter, rewrite_tensors, target_fields, write_medusa
 from tests.models.test_medusa_heads import reference_logits
 from tests.spec_decode.test_eagle_e2e import (K, DraftStep, Target, assert_refused_at_build, hf_states,
-                                              llama_target, partial_acceptances, qwen_target, run_drafter)
+                                              partial_acceptances, run_drafter)
 
 NUM_HEADS = 3
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Target:
-    """The counting Llama of test_eagle_e2e: counts x -> x + 1 until its layers make it jump."""
-    return llama_target(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory) -> Target:
-    return qwen_target(tmp_path_factory)
 
 
 def counting_medusa(folder: str, hf) -> WrittenDrafter:

@@ -1,4 +1,4 @@
-"""Command line: `specserve generate | chat | bench`."""
+"""Command line: `specserve generate | chat | bench | serve | train-drafter`."""
 from __future__ import annotations
 
 import argparse
@@ -126,11 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.server.api_server import add_serve_parser
 
     add_serve_parser(sub)
+    from specserve.train.pipeline import add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as typed, for records
     try:
         return args.func(args)
     except ValueError as exc:

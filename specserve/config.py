@@ -99,8 +99,11 @@ class SpeculativeConfig:
                              f"got {self.num_speculative_tokens}")
         self._check_lookup()
         if self.method in _MODEL_METHODS and not self.model:
+            from specserve.heads import BUNDLED
+
             raise ValueError(f"speculative_config.model is required for method {self.method!r} "
-                             f"({_MODEL_METHODS[self.method]})")
+                             f"({_MODEL_METHODS[self.method]}); specserve ships a head for the default model only "
+                             f"for method(s) {', '.join(BUNDLED)}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"speculative_config.quantization must be None or 'int8', got {self.quantization!r}")
         if self.quantization is not None and self.method not in _MODEL_METHODS:
@@ -127,7 +130,9 @@ class SpeculativeConfig:
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+    def from_dict(cls, d: dict, target_model: str | None = None) -> "SpeculativeConfig":
+        """target_model: the engine's model (None: the default); a method without `model` gets the head
+        specserve ships for that target, where there is one (specserve/heads)."""
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = set(cls.__dataclass_fields__)
@@ -137,4 +142,8 @@ class SpeculativeConfig:
                              f"(allowed: {', '.join(sorted(known))})")
         if "method" not in d:
             raise ValueError("speculative_config.method is required (one of " + ", ".join(SPEC_METHODS) + ")")
+        if d["method"] in _MODEL_METHODS and not d.get("model"):
+            from specserve.heads import bundled_head
+
+            d = {**d, "model": bundled_head(d["method"], target_model)}
         return cls(**d)

@@ -165,7 +165,7 @@ def spec_configs(args: argparse.Namespace) -> dict[str, dict]:
         config.update(overrides.get(method, {}))
         if config["method"] != method:
             raise ValueError(f"--spec-config-json: the {method!r} entry cannot change its method")
-        SpeculativeConfig.from_dict(dict(config))
+        SpeculativeConfig.from_dict(dict(config), args.model)
         configs[method] = config
     return configs
 

@@ -43,7 +43,7 @@ class LLMEngine:
         self.hf_config = loaded.config
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
+        self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config, config.model)
                             if config.speculative_config else None)
         self.runner = ModelRunner(self.model, config.block_size, set(self.eos_token_ids), self.max_model_len,
                                   self.spec_config, config.linear_weight_dtype)

@@ -4,17 +4,16 @@ the official layout (`midlayer.*`, d2t/t2d, no embedding) that models/drafter_lo
 from __future__ import annotations
 
 import json
-import math
 import os
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specserve.train.features import SequenceFeatures
+from specserve.train.features import SequenceFeatures, TargetParts, masked_targets
+from specserve.train.loop import Batch, step_labels
 
 
 # ---------------------------------------------------------------- draft vocabulary
@@ -37,13 +36,12 @@ class DraftVocab:
         return index[target_ids]
 
 
-def build_draft_vocab(features: Sequence[SequenceFeatures], vocab_size: int, draft_vocab_size: int) -> DraftVocab:
-    """The draft_vocab_size most frequent loss-masked target tokens (ties: lower id first), sorted ascending."""
+def build_draft_vocab(targets: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> DraftVocab:
+    """targets: [N] the counted training target ids -> the draft_vocab_size most frequent (ties: lower id
+    first), sorted ascending."""
     if not 0 < draft_vocab_size <= vocab_size:
         raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in [1, {vocab_size}] (the target vocabulary)")
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for f in features:
-        counts += torch.bincount(f.target_ids[f.loss_mask], minlength=vocab_size)
+    counts = torch.bincount(targets.long(), minlength=vocab_size)
     order = torch.sort(-counts, stable=True).indices
     ids = order[:draft_vocab_size].sort().values
     total = int(counts.sum())
@@ -83,15 +81,9 @@ class _Attention(nn.Module):
         k = _rope(self.k_proj(z).view(B, T, self.kv_heads, -1).transpose(1, 2), cos, sin)
         v = self.v_proj(z).view(B, T, self.kv_heads, -1).transpose(1, 2)
         cache.append((k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
-        scale = self.head_dim ** -0.5
-        k0, v0 = cache[0]
-        causal = torch.ones(T, T, dtype=torch.bool, device=z.device).triu(1)
-        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(causal, float("-inf"))]  # [B, h, T, T]
-        scores += [((q * kj).sum(-1) * scale)[..., None] for kj, _ in cache[1:]]  # [B, h, T, 1] each
-        probs = torch.cat(scores, -1).softmax(-1)
-        out = probs[..., :T] @ v0
-        for j, (_, vj) in enumerate(cache[1:]):
-            out = out + probs[..., T + j, None] * vj
+        keys = torch.cat([kj for kj, _ in cache], 2)  # [B, h, (i + 1) T, D]
+        values = torch.cat([vj for _, vj in cache], 2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=_ttt_mask(T, len(cache), z.device))
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -192,20 +184,32 @@ class Eagle3DraftModel(nn.Module):
         self.vocab = vocab
 
     def unroll(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
-        """input_ids: [B, T]; aux_hidden: [B, T, 3Ht] -> num_steps logits [B, T, Vd]. Step i at row t reads
-        token t + 1 + i (teacher-forced; 0 past the end) and, for i > 0, step i - 1's pre-norm output at row
-        t, at RoPE position t + i; it predicts the target's choice after token t + 1 + i."""
+        """input_ids: [B, T]; aux_hidden: [B, T, 3Ht] -> num_steps pre-norm outputs [B, T, H] (logits() maps
+        rows to draft logits). Step i at row t reads token t + 1 + i (teacher-forced; 0 past the end) and,
+        for i > 0, step i - 1's output at row t, at RoPE position t + i; it predicts the target's choice
+        after token t + 1 + i."""
         B, T = input_ids.shape
-        hidden, cache, logits = self.fc(aux_hidden), [], []
+        hidden, cache, outputs = self.fc(aux_hidden), [], []
         for i in range(num_steps):
             tokens = F.pad(input_ids[:, 1 + i:], (0, 1 + i))
             cos, sin = _cos_sin(torch.arange(T) + i, self.config.head_dim, self.config.rope_theta)
             hidden = self.midlayer(self.embed_tokens[tokens], hidden, cos, sin, cache)
-            logits.append(self.lm_head(self.norm(hidden)))
-        return logits
+            outputs.append(hidden)
+        return outputs
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] pre-norm outputs -> [..., Vd] draft logits."""
+        return self.lm_head(self.norm(hidden))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+
+def _ttt_mask(T: int, steps: int, device) -> torch.Tensor:
+    """[T, steps * T] bool, True where row t may attend: step 0's keys causally, each later step's key at
+    row t only."""
+    eye = torch.eye(T, dtype=torch.bool, device=device)
+    return torch.cat([torch.ones(T, T, dtype=torch.bool, device=device).tril()] + [eye] * (steps - 1), 1)
 
 
 def _cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,159 +228,61 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 # ---------------------------------------------------------------- training
 
 
-@dataclass
-class Eagle3TrainConfig:
-    ttt_steps: int = 3
-    step_weight: float = 0.8  # loss = sum_i step_weight**i * CE_i
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    batch_size: int = 4
-    epochs: int = 1
-    warmup_ratio: float = 0.03  # then cosine decay to 0
-    seed: int = 0
+class Eagle3Objective:
+    """Training-time test: the head runs num_steps draft steps on its own outputs (teacher-forced tokens);
+    loss = sum_i step_weight**i * CE_i over positions whose target token is in the draft vocabulary."""
 
-    def __post_init__(self) -> None:
-        if self.ttt_steps < 1 or self.batch_size < 1 or self.epochs < 1:
-            raise ValueError("ttt_steps, batch_size and epochs must be at least 1")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [B, T] right-padded with 0
-    aux_hidden: torch.Tensor  # [B, T, 3Ht]
-    target_ids: torch.Tensor  # [B, T]
-    valid: torch.Tensor  # [B, T] bool: a real, loss-masked position
-
-
-def collate(features: Sequence[SequenceFeatures]) -> Batch:
-    T = max(len(f) for f in features)
-
-    def pad(t: torch.Tensor) -> torch.Tensor:
-        return F.pad(t, (0, 0, 0, T - t.shape[0])) if t.dim() == 2 else F.pad(t, (0, T - t.shape[0]))
-
-    return Batch(torch.stack([pad(f.input_ids) for f in features]), torch.stack([pad(f.aux_hidden) for f in features]),
-                 torch.stack([pad(f.target_ids) for f in features]), torch.stack([pad(f.loss_mask) for f in features]))
-
-
-def step_labels(batch: Batch, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step `step` at row t predicts target_ids[t + 1 + step] -> (target ids [B, T], counted [B, T] bool)."""
-    shift = 1 + step
-    labels = F.pad(batch.target_ids[:, shift:], (0, shift))
-    counted = F.pad(batch.valid[:, shift:], (0, shift), value=False)
-    return labels, counted
-
-
-@dataclass
-class TrainResult:
-    losses: list[float] = field(default_factory=list)  # per optimizer step
-    num_tokens: int = 0
-    seconds: float = 0.0
-
-
-class Eagle3Trainer:
-    """AdamW with warmup + cosine, gradient clipping, TTT loss; `evaluate` gives teacher-forced step-k accuracy."""
-
-    def __init__(self, model: Eagle3DraftModel, config: Eagle3TrainConfig) -> None:
-        self.model, self.config = model, config
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
-                                           betas=config.betas, weight_decay=config.weight_decay)
-        self.result = TrainResult()
+    def __init__(self, model: Eagle3DraftModel, num_steps: int = 4, step_weight: float = 0.8) -> None:
+        if num_steps < 1:
+            raise ValueError(f"ttt steps must be at least 1, got {num_steps}")
+        self.model, self.num_steps, self.step_weight = model, num_steps, step_weight
 
     def loss(self, batch: Batch) -> torch.Tensor:
-        """sum_i step_weight**i * CE_i over positions whose target token is in the draft vocabulary."""
         total = torch.zeros(())
-        for i, logits in enumerate(self.model.unroll(batch.input_ids, batch.aux_hidden, self.config.ttt_steps)):
+        for i, hidden in enumerate(self.model.unroll(batch.input_ids, batch.hidden, self.num_steps)):
             labels, counted = step_labels(batch, i)
             draft = self.model.vocab.to_draft(labels)
             keep = counted & (draft >= 0)
-            if keep.any():
-                total = total + self.config.step_weight ** i * F.cross_entropy(logits[keep], draft[keep])
+            if keep.any():  # the LM head over counted rows only
+                logits = self.model.logits(hidden[keep]).float()
+                total = total + self.step_weight ** i * F.cross_entropy(logits, draft[keep])
         return total
 
-    def train(self, features: Sequence[SequenceFeatures]) -> TrainResult:
-        c, g = self.config, torch.Generator().manual_seed(self.config.seed)
-        per_epoch = math.ceil(len(features) / c.batch_size)
-        total_steps = per_epoch * c.epochs
-        warmup = max(1, int(c.warmup_ratio * total_steps))
-        schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(
-            (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps)))))
-        start = time.perf_counter()
-        self.model.train()
-        for _ in range(c.epochs):
-            order = torch.randperm(len(features), generator=g).tolist()
-            for b in range(0, len(order), c.batch_size):
-                batch = collate([features[j] for j in order[b:b + c.batch_size]])
-                loss = self.loss(batch)
-                self.optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
-                self.optimizer.step()
-                schedule.step()
-                self.result.losses.append(loss.item())
-                self.result.num_tokens += int(batch.valid.sum())
-        self.result.seconds += time.perf_counter() - start
-        return self.result
+    def step_hits(self, batch: Batch) -> tuple[list[int], list[int]]:
+        """Per step: positions where the draft's argmax (mapped through d2t) is the target's choice;
+        out-of-vocabulary targets count as misses."""
+        hits, counts = [], []
+        for i, hidden in enumerate(self.model.unroll(batch.input_ids, batch.hidden, self.num_steps)):
+            labels, counted = step_labels(batch, i)
+            predicted = self.model.draft_to_target(self.model.logits(hidden[counted]).argmax(-1))
+            hits.append(int((predicted == labels[counted]).sum()))
+            counts.append(int(counted.sum()))
+        return hits, counts
 
-    @torch.no_grad()
-    def evaluate(self, features: Sequence[SequenceFeatures]) -> list[float]:
-        """Teacher-forced step-k accuracy, k = 0..ttt_steps-1: the share of counted positions where the draft's
-        argmax (mapped through d2t) equals the target's choice; out-of-vocabulary targets count as misses."""
-        self.model.eval()
-        hits, counts = [0] * self.config.ttt_steps, [0] * self.config.ttt_steps
-        for b in range(0, len(features), self.config.batch_size):
-            batch = collate(features[b:b + self.config.batch_size])
-            for i, logits in enumerate(self.model.unroll(batch.input_ids, batch.aux_hidden, self.config.ttt_steps)):
-                labels, counted = step_labels(batch, i)
-                predicted = self.model.draft_to_target(logits.argmax(-1))
-                hits[i] += int((predicted == labels)[counted].sum())
-                counts[i] += int(counted.sum())
-        return [h / n if n else 0.0 for h, n in zip(hits, counts)]
-
-    def save(self, folder: str, command: str = "", step_accuracy: Sequence[float] | None = None) -> str:
-        """config.json + model.safetensors (official layout, no embedding) + README.md model card."""
+    def save(self, folder: str) -> None:
+        """config.json + model.safetensors in the official layout (no embedding)."""
         from safetensors.torch import save_file
 
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(self.model.config.to_json(), f, indent=2)
-        tensors = {k: v.detach().contiguous().clone() for k, v in self.model.state_dict().items()}
+        tensors = {k: v.detach().half().contiguous() if v.is_floating_point() else v.detach().contiguous()
+                   for k, v in self.model.state_dict().items()}
         save_file(tensors, os.path.join(folder, "model.safetensors"))
-        with open(os.path.join(folder, "README.md"), "w") as f:
-            f.write(self._model_card(command, step_accuracy))
-        return folder
 
-    def _model_card(self, command: str, step_accuracy: Sequence[float] | None) -> str:
-        c, r, m = self.config, self.result, self.model.config
-        final = sum(r.losses[-10:]) / len(r.losses[-10:]) if r.losses else float("nan")
-        acc = ", ".join(f"step {k}: {a:.3f}" for k, a in enumerate(step_accuracy or []))
-        return (f"# EAGLE-3 draft head (specserve)\n\nLoad with `speculative_config={{\"method\": \"eagle3\", "
-                f"\"model\": <this folder>}}`; the embedding is the target's.\n\n"
-                f"- command: `{command or 'n/a'}`\n- aux layers (input of layer): {list(m.aux_layer_ids)}\n"
-                f"- draft vocabulary: {m.draft_vocab_size} of {m.vocab_size} tokens, coverage "
-                f"{self.model.vocab.coverage:.3f}\n- data: {r.num_tokens} counted tokens seen, "
-                f"{len(r.losses)} optimizer steps, {r.seconds:.1f} s\n- TTT steps {c.ttt_steps}, lr {c.lr}, batch "
-                f"{c.batch_size}, epochs {c.epochs}\n- final loss (mean of last 10 steps): {final:.4f}\n"
-                f"- held-out teacher-forced accuracy: {acc or 'n/a'}\n")
+    def describe(self) -> list[str]:
+        m = self.model.config
+        return [f"aux layers (input of layer): {list(m.aux_layer_ids)}",
+                f"draft vocabulary: {m.draft_vocab_size} of {m.vocab_size} tokens, covering "
+                f"{self.model.vocab.coverage:.1%} of the training targets",
+                f"training-time test: {self.num_steps} draft steps, loss weight {self.step_weight}**step"]
 
 
-def train_eagle3(target_hf, train: Sequence[SequenceFeatures], held_out: Sequence[SequenceFeatures], folder: str,
-                 draft_vocab_size: int, aux_layer_ids: Sequence[int], config: Eagle3TrainConfig | None = None,
-                 command: str = "") -> tuple[Eagle3Trainer, list[float]]:
-    """The whole recipe over extracted features: draft vocabulary, a head warm-started from the target's LM
-    head rows, training, held-out step-k accuracy, save to `folder`. target_hf: the transformers target
-    the features came from (its config, embedding and LM head are read)."""
-    config = config or Eagle3TrainConfig()
-    vocab = build_draft_vocab(train, target_hf.config.vocab_size, draft_vocab_size)
-    head_config = Eagle3HeadConfig.from_target(target_hf.config, draft_vocab_size, aux_layer_ids)
-    torch.manual_seed(config.seed)
-    model = Eagle3DraftModel(head_config, target_hf.get_input_embeddings().weight, vocab,
-                             target_hf.get_output_embeddings().weight.detach())
-    trainer = Eagle3Trainer(model, config)
-    trainer.train(train)
-    accuracy = trainer.evaluate(held_out)
-    trainer.save(folder, command, accuracy)
-    return trainer, accuracy
+def build_eagle3(target: TargetParts, data: Sequence[SequenceFeatures], draft_vocab_size: int,
+                 aux_layer_ids: Sequence[int], num_steps: int = 4, seed: int = 0) -> Eagle3Objective:
+    """A fresh head for `target`: draft vocabulary from data's targets, LM head warm-started from the
+    target's rows of it."""
+    vocab = build_draft_vocab(masked_targets(data), target.config["vocab_size"], draft_vocab_size)
+    config = Eagle3HeadConfig.from_target(target.config, draft_vocab_size, aux_layer_ids)
+    torch.manual_seed(seed)
+    return Eagle3Objective(Eagle3DraftModel(config, target.embed_tokens, vocab, target.lm_head), num_steps)

@@ -1,15 +1,25 @@
-"""The target-side inputs of EAGLE-3 training: self-distilled greedy sequences, and per sequence the
-three aux hidden states and the target's own next-token choice at every position.
+"""What a drafter trains on: per self-distilled sequence, the target states the drafter reads, the target's
+own next-token choice at every position, and which positions count.
 
-Features come from a transformers causal LM (`output_hidden_states`): HF `hidden_states[i]` is the
-residual stream entering layer i, the "input of layer" convention specserve's EAGLE-3 head reads.
+One teacher-forced pass of specserve's own target model over prompt + answer records, per token, either
+the aux hidden states (EAGLE-3: the residual stream entering each aux layer, concatenated) or the final
+hidden state (EAGLE, Medusa: the normed output the LM head reads), exactly what the runner hands the
+drafter at inference. They go to a folder of memory-mapped arrays (`FeatureStore`): states in float16 (or
+bfloat16), tokens and labels as int32, so a data set larger than memory trains from disk.
 """
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+STATE_KINDS = ("aux", "final")
+STATE_DTYPES = {"float16": (np.float16, torch.float16), "bfloat16": (np.uint16, torch.bfloat16)}
 
 
 @dataclass
@@ -17,14 +27,15 @@ class SequenceFeatures:
     """One training sequence of T tokens.
 
     input_ids: [T] int64, the tokens.
-    aux_hidden: [T, 3 * Ht] float32, the target's states entering layers `aux_layer_ids`, concatenated in order.
+    hidden: [T, S] float32, the target states the drafter reads at each position (aux: S = 3 * H, the
+        states entering the aux layers concatenated in order; final: S = H).
     target_ids: [T] int64, the target's argmax at each position (its choice for token t + 1); for greedily
         self-distilled text it equals input_ids[t + 1] in the generated part, so hard labels are exact.
-    loss_mask: [T] bool, positions whose prediction counts (default all).
+    loss_mask: [T] bool, positions whose prediction counts (the answer, from the prompt's last token on).
     """
 
     input_ids: torch.Tensor
-    aux_hidden: torch.Tensor
+    hidden: torch.Tensor
     target_ids: torch.Tensor
     loss_mask: torch.Tensor
 
@@ -40,35 +51,171 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return 2, num_layers // 2, num_layers - 3
 
 
-@torch.no_grad()
-def greedy_sequences(hf_model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                     batch_size: int = 16) -> list[list[int]]:
-    """Each prompt followed by the target's greedy continuation of max_new_tokens tokens (no EOS stop).
-    Prompts in one batch must have equal length (no padding, so no attention-mask subtleties)."""
-    out: list[list[int]] = []
-    for start in range(0, len(prompts), batch_size):
-        batch = [list(p) for p in prompts[start:start + batch_size]]
-        if len({len(p) for p in batch}) != 1:
-            raise ValueError("greedy_sequences: prompts of one batch must have equal length")
-        ids = torch.tensor(batch)
-        gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-        out.extend(gen.tolist())
-    return out
+def answer_mask(num_tokens: int, num_prompt_tokens: int) -> torch.Tensor:
+    """Rows that predict an answer token: from the prompt's last token to the end."""
+    mask = torch.zeros(num_tokens, dtype=torch.bool)
+    mask[max(0, num_prompt_tokens - 1):] = True
+    return mask
 
 
-@torch.no_grad()
-def extract_features(hf_model, sequences: Sequence[Sequence[int]], aux_layer_ids: Sequence[int],
-                     loss_masks: Sequence[torch.Tensor] | None = None) -> list[SequenceFeatures]:
-    """One teacher-forced target pass per sequence -> its SequenceFeatures (aux states as float32)."""
-    L = hf_model.config.num_hidden_layers
-    if len(aux_layer_ids) != 3 or any(not 0 <= i < L for i in aux_layer_ids):
-        raise ValueError(f"aux_layer_ids {list(aux_layer_ids)}: need 3 layer indices in [0, {L})")
-    features = []
-    for n, seq in enumerate(sequences):
-        ids = torch.tensor([list(seq)], dtype=torch.int64)
-        out = hf_model(input_ids=ids, output_hidden_states=True)
-        aux = torch.cat([out.hidden_states[i][0] for i in aux_layer_ids], dim=-1).float()
-        mask = torch.ones(ids.shape[1], dtype=torch.bool) if loss_masks is None else loss_masks[n].bool()
-        features.append(SequenceFeatures(ids[0], aux, out.logits[0].argmax(-1), mask))
-    return features
+@torch.inference_mode()
+def target_states(model, token_ids: Sequence[int], kind: str, block_size: int = 16
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One prefill of specserve's target over token_ids -> (states [T, S] float32, target argmax [T] int64).
+    model: a models.registry model; for kind "aux" its aux layers must be set."""
+    from specserve.ops import kernels
+    from specserve.ops.attention import build_attention_metadata, kv_caches
+
+    if kind not in STATE_KINDS:
+        raise ValueError(f"state kind {kind!r}: expected one of {', '.join(STATE_KINDS)}")
+    if kind == "aux" and not model.aux_hidden_layers:
+        raise ValueError("target_states(kind='aux'): the model has no aux hidden layers set")
+    n = len(token_ids)
+    blocks = -(-n // block_size)
+    caches = kv_caches(model.kv_cache_shape(blocks, block_size), model.dtype, model.num_layers)
+    meta = build_attention_metadata([n], [n], [list(range(blocks))], block_size, torch.arange(n),
+                                    kernels.kernel_usable(model.dtype))
+    ids = torch.tensor(list(token_ids), dtype=torch.int64)
+    positions = torch.arange(n)
+    if getattr(model, "uses_mrope", False):
+        positions = positions.expand(3, n)
+    hidden, aux = model.forward(ids, positions, meta, caches)
+    states = torch.cat(aux, -1) if kind == "aux" else hidden
+    return states.float(), model.greedy_tokens(hidden)
+
+
+class FeatureStore:
+    """A folder of memory-mapped arrays: meta.json, offsets.npy [S + 1], tokens.npy / targets.npy [N] int32,
+    mask.npy [N] bool, states.bin [N, width] float16 or bfloat16. store[i] -> SequenceFeatures (float32)."""
+
+    def __init__(self, folder: str) -> None:
+        path = os.path.join(folder, "meta.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{folder}: no feature store here (meta.json missing)")
+        with open(path) as f:
+            self.meta = json.load(f)
+        self.folder = folder
+        self.offsets = np.load(os.path.join(folder, "offsets.npy"))
+        self.tokens = np.load(os.path.join(folder, "tokens.npy"), mmap_mode="r")
+        self.targets = np.load(os.path.join(folder, "targets.npy"), mmap_mode="r")
+        self.mask = np.load(os.path.join(folder, "mask.npy"), mmap_mode="r")
+        np_dtype, self.torch_dtype = STATE_DTYPES[self.meta["dtype"]]
+        self.states = np.memmap(os.path.join(folder, "states.bin"), dtype=np_dtype, mode="r",
+                                shape=(int(self.offsets[-1]), self.meta["width"]))
+
+    @property
+    def kind(self) -> str:
+        return self.meta["kind"]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self) -> list[int]:
+        return np.diff(self.offsets).tolist()
+
+    def __getitem__(self, i: int) -> SequenceFeatures:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        states = torch.from_numpy(np.array(self.states[a:b]))
+        if self.torch_dtype == torch.bfloat16:
+            states = states.view(torch.bfloat16)
+        return SequenceFeatures(torch.from_numpy(self.tokens[a:b].astype(np.int64)), states.float(),
+                                torch.from_numpy(self.targets[a:b].astype(np.int64)),
+                                torch.from_numpy(np.array(self.mask[a:b])))
+
+    def sequence_ids(self) -> list[int]:
+        return list(self.meta.get("sequence_ids", range(len(self))))
+
+
+def write_feature_store(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], folder: str,
+                        kind: str, dtype: str = "float16", sequence_ids: Sequence[int] | None = None,
+                        log=None) -> FeatureStore:
+    """Runs target_states over every sequence and writes the store (a folder that already holds a complete
+    store for the same sequences is reused)."""
+    if dtype not in STATE_DTYPES:
+        raise ValueError(f"feature dtype {dtype!r}: expected one of {', '.join(STATE_DTYPES)}")
+    if len(sequences) != len(prompt_lens) or not sequences:
+        raise ValueError("write_feature_store: need one prompt length per sequence, and at least one sequence")
+    lengths = [len(s) for s in sequences]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = list(sequence_ids) if sequence_ids is not None else list(range(len(sequences)))
+    try:
+        store = FeatureStore(folder)
+        if store.meta.get("complete") and store.kind == kind and store.offsets.tolist() == offsets.tolist() \
+                and store.sequence_ids() == ids:
+            return store
+    except FileNotFoundError:
+        pass
+    os.makedirs(folder, exist_ok=True)
+    width = (len(model.aux_hidden_layers) if kind == "aux" else 1) * model.config.hidden_size
+    np_dtype, torch_dtype = STATE_DTYPES[dtype]
+    states = np.memmap(os.path.join(folder, "states.bin"), dtype=np_dtype, mode="w+", shape=(int(offsets[-1]), width))
+    tokens = np.zeros(int(offsets[-1]), np.int32)
+    targets = np.zeros_like(tokens)
+    mask = np.zeros(int(offsets[-1]), bool)
+    start = time.perf_counter()
+    for i, (seq, p) in enumerate(zip(sequences, prompt_lens)):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        h, t = target_states(model, seq, kind)
+        h = h.to(torch_dtype)
+        states[a:b] = (h.view(torch.uint16) if torch_dtype == torch.bfloat16 else h).numpy()
+        tokens[a:b], targets[a:b] = np.asarray(seq, np.int32), t.numpy().astype(np.int32)
+        mask[a:b] = answer_mask(b - a, p).numpy()
+        if log and (i + 1) % 100 == 0:
+            rate = b / (time.perf_counter() - start)
+            log(f"features: {i + 1}/{len(sequences)} sequences, {rate:.0f} tok/s, "
+                f"ETA {(offsets[-1] - b) / rate / 60:.1f} min")
+    states.flush()
+    del states
+    for name, array in (("offsets", offsets), ("tokens", tokens), ("targets", targets), ("mask", mask)):
+        np.save(os.path.join(folder, f"{name}.npy"), array)
+    meta = dict(kind=kind, dtype=dtype, width=width, hidden_size=model.config.hidden_size,
+                aux_layers=list(model.aux_hidden_layers) if kind == "aux" else [], num_sequences=len(sequences),
+                num_tokens=int(offsets[-1]), num_loss_tokens=int(mask.sum()), sequence_ids=ids, complete=True,
+                seconds=round(time.perf_counter() - start, 1))
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return FeatureStore(folder)
+
+
+@dataclass
+class TargetParts:
+    """What a drafter's trainer reads from its target: the normalized HF config dict, the input embedding
+    [V, H] and the LM head [V, H] (the embedding when tied)."""
+
+    config: dict
+    embed_tokens: torch.Tensor
+    lm_head: torch.Tensor
+
+    @classmethod
+    def from_state_dict(cls, config: dict, state_dict: dict[str, torch.Tensor]) -> "TargetParts":
+        embed = state_dict["model.embed_tokens.weight"].float()
+        return cls(config, embed, state_dict.get("lm_head.weight", embed).float())
+
+
+class Subset(Sequence):
+    """data[indices] without copying: the training or held-back part of a store."""
+
+    def __init__(self, data: Sequence[SequenceFeatures], indices: Sequence[int]) -> None:
+        self.data, self.indices = data, list(indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> SequenceFeatures:
+        return self.data[self.indices[i]]
+
+
+def masked_targets(data: Sequence[SequenceFeatures]) -> torch.Tensor:
+    """[N] the target ids at counted positions of data, read from the token arrays only for a store."""
+    if isinstance(data, Subset) and isinstance(data.data, FeatureStore):
+        store = data.data
+        parts = [np.asarray(store.targets[store.offsets[i]:store.offsets[i + 1]])[
+                 np.asarray(store.mask[store.offsets[i]:store.offsets[i + 1]])] for i in data.indices]
+        return torch.from_numpy(np.concatenate(parts).astype(np.int64))
+    if isinstance(data, FeatureStore):
+        return torch.from_numpy(np.asarray(data.targets)[np.asarray(data.mask)].astype(np.int64))
+    return torch.cat([f.target_ids[f.loss_mask] for f in data])

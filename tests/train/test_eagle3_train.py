@@ -1,8 +1,12 @@
 """EAGLE-3 training: the trained head's forward (TTT steps included) equals specserve's inference head after
-save and load; training on greedily self-distilled data from a tiny target learns to draft it; the saved
-folder drafts in the engine with output equal to plain greedy decoding and accepted drafts.
+save and load; training on greedily self-distilled data from a tiny target learns to draft it; a stopped run
+resumes with the same loss curve; the saved folder drafts in the engine with output equal to plain greedy
+decoding; `specserve train-drafter` runs the whole pipeline on a tiny target.
 """
 from __future__ import annotations
+
+import json
+import os
 
 import pytest
 import torch
@@ -12,9 +16,10 @@ from specserve.models.drafter_loader import load_drafter_checkpoint
 from specserve.models.eagle import Eagle3Head
 from specserve.models.registry import build_model
 from specserve.sampling_params import SamplingParams
-from specserve.train.eagle3 import (Eagle3DraftModel, Eagle3HeadConfig, Eagle3TrainConfig, Eagle3Trainer,
-                                    build_draft_vocab, collate, train_eagle3)
-from specserve.train.features import default_aux_layers, extract_features, greedy_sequences
+from specserve.train import loop
+from specserve.train.eagle3 import Eagle3DraftModel, Eagle3HeadConfig, Eagle3Objective, build_draft_vocab
+from specserve.train.features import (FeatureStore, SequenceFeatures, TargetParts, answer_mask, default_aux_layers,
+                                      masked_targets, target_states, write_feature_store)
 from tests.models.test_eagle_heads import DraftKV
 from tests.tiny_models import hf_config_dict, hf_state_dict, perturb_norms_and_biases, save_hf_folder, tiny_hf_model
 
@@ -33,25 +38,63 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def data(target):
+def spec_target(target):
+    return build_model(hf_config_dict(target), hf_state_dict(target), dtype=torch.float32,
+                       aux_hidden_layers=default_aux_layers(LAYERS))
+
+
+def greedy(hf, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0).tolist()
+
+
+@pytest.fixture(scope="module")
+def sequences(target):
+    return greedy(target, random_prompts(40, seed=1), NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def data(spec_target, sequences):
     """32 training and 8 held-out sequences of 48 tokens: random prompts + the target's greedy continuation."""
-    aux = default_aux_layers(LAYERS)
-    seqs = greedy_sequences(target, random_prompts(40, seed=1), NEW_TOKENS)
-    feats = extract_features(target, seqs, aux)
+    feats = []
+    for seq in sequences:
+        states, argmax = target_states(spec_target, seq, "aux")
+        feats.append(SequenceFeatures(torch.tensor(seq), states, argmax, answer_mask(len(seq), PROMPT_LEN)))
     return feats[:32], feats[32:]
 
 
 def new_model(target, features, seed: int = 0) -> Eagle3DraftModel:
     torch.manual_seed(seed)
-    vocab = build_draft_vocab(features, VOCAB, DRAFT_VOCAB)
+    vocab = build_draft_vocab(masked_targets(features), VOCAB, DRAFT_VOCAB)
     config = Eagle3HeadConfig.from_target(target.config, DRAFT_VOCAB, default_aux_layers(LAYERS))
     return Eagle3DraftModel(config, target.model.embed_tokens.weight, vocab, target.lm_head.weight.detach())
 
 
+def test_features_are_the_targets_states_and_greedy_choices(target, spec_target, sequences, data, tmp_path):
+    """aux states = transformers' hidden_states at the aux layers; target ids = its argmax, which for greedy
+    text is the next token; the memmap store returns them in float16."""
+    seq, f = sequences[0], data[0][0]
+    with torch.no_grad():
+        out = target(torch.tensor([seq]), output_hidden_states=True)
+    expected = torch.cat([out.hidden_states[i][0] for i in default_aux_layers(LAYERS)], -1)
+    torch.testing.assert_close(f.hidden, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(f.target_ids, out.logits[0].argmax(-1))
+    assert torch.equal(f.target_ids[PROMPT_LEN - 1:-1], torch.tensor(seq[PROMPT_LEN:]))
+    assert f.loss_mask.tolist() == [False] * (PROMPT_LEN - 1) + [True] * (len(seq) - PROMPT_LEN + 1)
+    store = write_feature_store(spec_target, sequences[:3], [PROMPT_LEN] * 3, str(tmp_path / "store"), "aux")
+    assert len(store) == 3 and store.lengths() == [len(s) for s in sequences[:3]]
+    again = FeatureStore(str(tmp_path / "store"))[0]
+    torch.testing.assert_close(again.hidden, f.hidden, atol=2e-3, rtol=1e-3)  # float16 on disk
+    assert torch.equal(again.target_ids, f.target_ids) and torch.equal(again.loss_mask, f.loss_mask)
+    assert torch.equal(masked_targets(store), torch.cat([x.target_ids[x.loss_mask] for x in data[0][:3]]))
+
+
 def test_draft_vocab_is_the_most_frequent_targets_ascending(data):
     train, _ = data
-    vocab = build_draft_vocab(train, VOCAB, DRAFT_VOCAB)
-    counts = torch.bincount(torch.cat([f.target_ids for f in train]), minlength=VOCAB)
+    vocab = build_draft_vocab(masked_targets(train), VOCAB, DRAFT_VOCAB)
+    counts = torch.bincount(masked_targets(train), minlength=VOCAB)
     assert torch.equal(vocab.token_ids, vocab.token_ids.sort().values)
     assert counts[vocab.token_ids].min() >= counts[~vocab.t2d].max()
     assert torch.equal(torch.arange(DRAFT_VOCAB) + vocab.d2t, vocab.token_ids)
@@ -59,7 +102,7 @@ def test_draft_vocab_is_the_most_frequent_targets_ascending(data):
     ids = vocab.token_ids[[0, 5, DRAFT_VOCAB - 1]]
     assert vocab.to_draft(ids).tolist() == [0, 5, DRAFT_VOCAB - 1]
     with pytest.raises(ValueError, match="draft_vocab_size"):
-        build_draft_vocab(train, VOCAB, VOCAB + 1)
+        build_draft_vocab(masked_targets(train), VOCAB, VOCAB + 1)
 
 
 def test_training_forward_equals_inference_head_after_save_and_load(target, data, tmp_path):
@@ -67,7 +110,11 @@ def test_training_forward_equals_inference_head_after_save_and_load(target, data
     i-th single-token draft step after a prefill of rows 0..t (teacher-forced tokens)."""
     train, _ = data
     model = perturb_norms_and_biases(new_model(target, train, seed=3)).eval()
-    folder = Eagle3Trainer(model, Eagle3TrainConfig()).save(str(tmp_path / "draft"))
+    folder = str(tmp_path / "draft")
+    Eagle3Objective(model).save(folder)
+    with torch.no_grad():  # the checkpoint is float16
+        for p in model.parameters():
+            p.copy_(p.half().float())
     ckpt = load_drafter_checkpoint(folder, "eagle3")
     assert "embed_tokens.weight" not in ckpt.state_dict and "t2d" in ckpt.ignored_keys
     aux_ids = ckpt.aux_layers_for(LAYERS)
@@ -76,20 +123,20 @@ def test_training_forward_equals_inference_head_after_save_and_load(target, data
                               aux_hidden_layers=aux_ids)
     head = Eagle3Head(ckpt, spec_target)
     f = train[0]
-    batch = collate([f])
+    batch = loop.collate([f])
     with torch.no_grad():
-        steps = [s[0] for s in model.unroll(batch.input_ids, batch.aux_hidden, 3)]  # [T, Vd] each
+        steps = [model.logits(s[0]) for s in model.unroll(batch.input_ids, batch.hidden, 3)]  # [T, Vd] each
     T = len(f)
     n = T - 1  # step 0 rows 0..T-2 read tokens 1..T-1
     kv = DraftKV(head, [[5, 2, 9, 0, 7, 3, 11, 1, 4, 8, 6, 10, 12]])
     with torch.inference_mode():
-        g = head.forward(f.input_ids[1:], head.project_aux(f.aux_hidden[:n]), torch.arange(n), kv.meta([(0, n)]),
+        g = head.forward(f.input_ids[1:], head.project_aux(f.hidden[:n]), torch.arange(n), kv.meta([(0, n)]),
                          kv.cache)
         assert (head.compute_logits(g) - steps[0][:n]).abs().max().item() < 1e-4
         assert torch.equal(head.greedy_tokens(g), model.draft_to_target(steps[0][:n].argmax(-1)))
         t = 30  # a prefill of rows 0..t, then single-token steps at positions t + i reading token t + 1 + i
         kv = DraftKV(head, [[3, 7, 1, 12, 5, 0, 9, 2, 11, 4, 8, 6, 10]])
-        g = head.forward(f.input_ids[1:t + 2], head.project_aux(f.aux_hidden[:t + 1]), torch.arange(t + 1),
+        g = head.forward(f.input_ids[1:t + 2], head.project_aux(f.hidden[:t + 1]), torch.arange(t + 1),
                          kv.meta([(0, t + 1)]), kv.cache)[-1:]
         for i in (1, 2):
             g = head.forward(f.input_ids[t + 1 + i:t + 2 + i], g, torch.tensor([t + i]), kv.meta([(t + i, 1)]),
@@ -97,33 +144,58 @@ def test_training_forward_equals_inference_head_after_save_and_load(target, data
             assert (head.compute_logits(g)[0] - steps[i][t]).abs().max().item() < 1e-4, i
 
 
+CONFIG = loop.LoopConfig(lr=3e-3, epochs=10, batch_tokens=4 * (PROMPT_LEN + NEW_TOKENS), progress=False)
+
+
 @pytest.fixture(scope="module")
 def trained(target, data, tmp_path_factory):
     train, held_out = data
-    config = Eagle3TrainConfig(lr=3e-3, epochs=10, batch_size=4, ttt_steps=3, seed=0)
-    untrained = Eagle3Trainer(new_model(target, train, seed=0), config)  # the same start as train_eagle3's
+    objective = Eagle3Objective(new_model(target, train, seed=0), num_steps=3)
     with torch.no_grad():
-        before = untrained.loss(collate(train)).item()
-    accuracy_before = untrained.evaluate(held_out)
+        before = objective.loss(loop.collate(train)).item()
+    accuracy_before = loop.evaluate(objective, held_out)
     folder = str(tmp_path_factory.mktemp("eagle3"))
-    trainer, accuracy = train_eagle3(target, train, held_out, folder, DRAFT_VOCAB, default_aux_layers(LAYERS),
-                                     config, command="pytest")
+    state = loop.train(objective, train, held_out, CONFIG, folder, log=lambda _: None)
+    objective.save(folder)
     with torch.no_grad():
-        after = trainer.loss(collate(train)).item()
-    return dict(before=before, after=after, accuracy_before=accuracy_before, accuracy=accuracy, folder=folder,
-                trainer=trainer)
+        after = objective.loss(loop.collate(train)).item()
+    return dict(before=before, after=after, accuracy_before=accuracy_before, accuracy=state.evals[-1]["accuracy"],
+                folder=folder, state=state)
 
 
 def test_training_reduces_loss_and_drafts_held_out_text(trained):
     print(f"loss {trained['before']:.3f} -> {trained['after']:.3f}; held-out step-k accuracy "
-          f"{trained['accuracy_before']} -> {trained['accuracy']}; {trained['trainer'].result.seconds:.1f} s")
+          f"{trained['accuracy_before']} -> {trained['accuracy']}; {trained['state'].seconds:.1f} s")
+    assert trained["state"].done and len(trained["state"].evals) == CONFIG.epochs
     assert trained["after"] < 0.5 * trained["before"]
     # chance is about 1 / Vd; the tiny target's text is half repeats of novel tokens, so 1.5K tokens teach
     # much less than that: the bar is "learned something that transfers", not a good drafter
     assert trained["accuracy"][0] > 20 / DRAFT_VOCAB
     assert trained["accuracy"][0] > trained["accuracy_before"][0] + 0.15
-    card = open(f"{trained['folder']}/README.md").read()
-    assert "pytest" in card and "step 0:" in card
+    log = [json.loads(line) for line in open(os.path.join(trained["folder"], loop.LOG))]
+    assert [r["step"] for r in log if "loss" in r] == list(range(10, trained["state"].step + 1, 10))
+
+
+def test_resume_continues_with_the_same_loss_curve(target, data, tmp_path):
+    """A run stopped at step 13 and resumed from its checkpoint takes the same steps, to the same losses and
+    weights, as one run straight through."""
+    train, held_out = data
+    config = loop.LoopConfig(lr=3e-3, epochs=3, batch_tokens=4 * (PROMPT_LEN + NEW_TOKENS), progress=False)
+    quiet = dict(log=lambda _: None)
+    straight = Eagle3Objective(new_model(target, train, seed=0), num_steps=2)
+    full = loop.train(straight, train, held_out, config, str(tmp_path / "a"), **quiet)
+    first = Eagle3Objective(new_model(target, train, seed=0), num_steps=2)
+    stopped = loop.train(first, train, held_out, config, str(tmp_path / "b"), max_steps=13, **quiet)
+    assert stopped.step == 13 and not stopped.done
+    second = Eagle3Objective(new_model(target, train, seed=5), num_steps=2)  # other weights until resumed
+    resumed = loop.train(second, train, held_out, config, str(tmp_path / "b"), resume=True, **quiet)
+    assert resumed.done and resumed.step == full.step == 24
+    assert resumed.losses == full.losses
+    for (name, a), b in zip(straight.model.state_dict().items(), second.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="another configuration"):
+        other = loop.LoopConfig(lr=1e-3, epochs=3, batch_tokens=config.batch_tokens, progress=False)
+        loop.train(first, train, held_out, other, str(tmp_path / "b"), resume=True, **quiet)
 
 
 def test_saved_head_drafts_in_the_engine_with_greedy_output(target, trained, tmp_path):
@@ -139,3 +211,41 @@ def test_saved_head_drafts_in_the_engine_with_greedy_output(target, trained, tmp
     print(f"accepted {m.num_accepted_tokens} of {m.num_draft_tokens} drafts, {m.num_drafts} rounds")
     assert drafted == plain
     assert m.num_draft_tokens > 0 and m.num_accepted_tokens > 0
+
+
+def test_train_drafter_command_end_to_end(target, tmp_path):
+    """`specserve train-drafter` on a tiny target: answers, features, training, the head folder with its model
+    card; --resume after the run reuses the answers and features and finds training done."""
+    from specserve.cli import main
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    folder = save_hf_folder(target, tmp_path / "target")
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}, f)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{t}" for t in p)}) + "\n"
+                               for p in random_prompts(24, seed=4)))
+    out = tmp_path / "head"
+    argv = ["train-drafter", "--method", "eagle3", "--model", folder, "--prompts", str(prompts), "--out", str(out),
+            "--max-tokens", "24", "--draft-vocab-size", "64", "--ttt-steps", "2", "--epochs", "2",
+            "--batch-tokens", "128", "--held-out-every", "6", "--eval-prompts", "2", "--max-num-seqs", "8"]
+    assert main(argv) == 0
+    store = FeatureStore(str(out / "work" / "features"))
+    assert len(store) == 24 and store.kind == "aux"
+    assert len(store.meta["sequence_ids"]) == 24
+    ckpt = load_drafter_checkpoint(str(out), "eagle3")
+    assert ckpt.aux_layers_for(LAYERS) == default_aux_layers(LAYERS)
+    card = (out / "README.md").read_text()
+    assert "specserve train-drafter" in card and "Mean acceptance length at k=4 on 2 held-back prompts" in card
+    assert "20 sequences trained on, 4 held back" in card
+    steps = torch.load(out / "work" / loop.CHECKPOINT, weights_only=False)["state"]["step"]
+    assert main(argv + ["--resume"]) == 0
+    assert torch.load(out / "work" / loop.CHECKPOINT, weights_only=False)["state"]["step"] == steps
+    with pytest.raises(SystemExit):
+        main(["train-drafter", "--method", "nope", "--prompts", str(prompts), "--out", str(out)])
+    assert main(argv[:-2] + ["--max-num-seqs", "4", "--max-tokens", "12", "--resume"]) == 2  # another run

@@ -12,7 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specserve.models.rope import rope_parameters
 from specserve.train.features import SequenceFeatures, TargetParts, masked_targets
+from specserve.train.layers import MLP, DraftAttention, RMSNorm
 from specserve.train.loop import Batch, step_labels
 
 
@@ -53,67 +55,6 @@ def build_draft_vocab(targets: torch.Tensor, vocab_size: int, draft_vocab_size: 
 # ---------------------------------------------------------------- the head
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class _Attention(nn.Module):
-    def __init__(self, H: int, heads: int, kv_heads: int, head_dim: int) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(2 * H, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * H, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * H, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, H, bias=False)
-
-    def forward(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list) -> torch.Tensor:
-        """z: [B, T, 2H]; cos/sin: [T, D] for this step's positions; cache: the (k, v) [B, heads, T, D] of
-        earlier TTT steps, appended to. Row t attends causally to step 0's keys and to its own row's keys of
-        steps 1..i (the drafted tokens at row t), as a chain of single-token draft steps would."""
-        B, T, _ = z.shape
-        rep = self.heads // self.kv_heads
-        q = _rope(self.q_proj(z).view(B, T, self.heads, -1).transpose(1, 2), cos, sin)
-        k = _rope(self.k_proj(z).view(B, T, self.kv_heads, -1).transpose(1, 2), cos, sin)
-        v = self.v_proj(z).view(B, T, self.kv_heads, -1).transpose(1, 2)
-        cache.append((k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
-        keys = torch.cat([kj for kj, _ in cache], 2)  # [B, h, (i + 1) T, D]
-        values = torch.cat([vj for _, vj in cache], 2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=_ttt_mask(T, len(cache), z.device))
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-
-
-class _MLP(nn.Module):
-    def __init__(self, H: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(H, intermediate, bias=False)
-        self.up_proj = nn.Linear(H, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, H, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _MidLayer(nn.Module):
-    def __init__(self, H: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
-        super().__init__()
-        self.self_attn = _Attention(H, heads, kv_heads, head_dim)
-        self.mlp = _MLP(H, intermediate)
-        self.hidden_norm = RMSNorm(H, eps)
-        self.input_layernorm = RMSNorm(H, eps)
-        self.post_attention_layernorm = RMSNorm(H, eps)
-
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, cache: list) -> torch.Tensor:
-        """embeds, hidden: [B, T, H] -> g [B, T, H] (pre-norm); embedding first in the 2H input."""
-        z = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
-        r = hidden + self.self_attn(z, cos, sin, cache)
-        return r + self.mlp(self.post_attention_layernorm(r))
-
-
 @dataclass
 class Eagle3HeadConfig:
     """The draft layer's Llama fields; the draft hidden size is the target's (the embedding is shared)."""
@@ -125,6 +66,7 @@ class Eagle3HeadConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
+    rope_scaling: dict | None
     max_position_embeddings: int
     vocab_size: int
     draft_vocab_size: int
@@ -133,16 +75,13 @@ class Eagle3HeadConfig:
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: Sequence[int],
                     intermediate_size: int | None = None) -> "Eagle3HeadConfig":
-        """From a transformers Llama-family config (or its dict)."""
+        """From a transformers Llama-family config (or its dict); RoPE as the engine reads the target's."""
         t = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
-        if t.get("rope_scaling"):
-            raise ValueError(f"target rope_scaling {t['rope_scaling']} is not supported by the trainer yet "
-                             f"(plain RoPE only)")
-        theta = t.get("rope_theta") or (t.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        theta, scaling = rope_parameters(t)
         heads = t["num_attention_heads"]
         return cls(t["hidden_size"], intermediate_size or t["intermediate_size"], heads,
                    t.get("num_key_value_heads") or heads, t.get("head_dim") or t["hidden_size"] // heads,
-                   t["rms_norm_eps"], float(theta), t["max_position_embeddings"], t["vocab_size"],
+                   t["rms_norm_eps"], theta, scaling, t["max_position_embeddings"], t["vocab_size"],
                    draft_vocab_size, tuple(int(i) for i in aux_layer_ids))
 
     def to_json(self) -> dict:
@@ -151,10 +90,32 @@ class Eagle3HeadConfig:
                     hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
                     num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
                     head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                    max_position_embeddings=self.max_position_embeddings, vocab_size=self.vocab_size,
-                    num_hidden_layers=1, tie_word_embeddings=False, draft_vocab_size=self.draft_vocab_size,
+                    rope_scaling=self.rope_scaling, max_position_embeddings=self.max_position_embeddings,
+                    vocab_size=self.vocab_size, num_hidden_layers=1, tie_word_embeddings=False,
+                    draft_vocab_size=self.draft_vocab_size,
                     eagle_config={"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
                                   "use_aux_hidden_state": True})
+
+
+class _MidLayer(nn.Module):
+    """EAGLE-3's layer: attention over [input_layernorm(embedding); hidden_norm(hidden)], hidden as residual."""
+
+    def __init__(self, c: Eagle3HeadConfig) -> None:
+        super().__init__()
+        H = c.hidden_size
+        self.self_attn = DraftAttention(c, 2 * H)
+        self.mlp = MLP(H, c.intermediate_size)
+        self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(H, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                cache: list) -> torch.Tensor:
+        """embeds, hidden: [B, T, H]; positions: [T]; cache: see DraftAttention -> g [B, T, H] (pre-norm);
+        embedding first in the 2H input."""
+        z = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
+        r = hidden + self.self_attn(z, positions, cache)
+        return r + self.mlp(self.post_attention_layernorm(r))
 
 
 class Eagle3DraftModel(nn.Module):
@@ -171,8 +132,7 @@ class Eagle3DraftModel(nn.Module):
             raise ValueError(f"draft vocabulary of {vocab.token_ids.shape[0]} tokens, config says {c.draft_vocab_size}")
         self.config = c
         self.fc = nn.Linear(3 * H, H, bias=False)
-        self.midlayer = _MidLayer(H, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                  c.rms_norm_eps)
+        self.midlayer = _MidLayer(c)
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
         if lm_head_init is not None:  # the target's LM head rows of the draft vocabulary: a warm start
@@ -188,12 +148,12 @@ class Eagle3DraftModel(nn.Module):
         rows to draft logits). Step i at row t reads token t + 1 + i (teacher-forced; 0 past the end) and,
         for i > 0, step i - 1's output at row t, at RoPE position t + i; it predicts the target's choice
         after token t + 1 + i."""
-        B, T = input_ids.shape
+        T = input_ids.shape[1]
         hidden, cache, outputs = self.fc(aux_hidden), [], []
         for i in range(num_steps):
             tokens = F.pad(input_ids[:, 1 + i:], (0, 1 + i))
-            cos, sin = _cos_sin(torch.arange(T) + i, self.config.head_dim, self.config.rope_theta)
-            hidden = self.midlayer(self.embed_tokens[tokens], hidden, cos, sin, cache)
+            hidden = self.midlayer(self.embed_tokens[tokens], hidden, torch.arange(T, device=input_ids.device) + i,
+                                   cache)
             outputs.append(hidden)
         return outputs
 
@@ -203,26 +163,6 @@ class Eagle3DraftModel(nn.Module):
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
-
-
-def _ttt_mask(T: int, steps: int, device) -> torch.Tensor:
-    """[T, steps * T] bool, True where row t may attend: step 0's keys causally, each later step's key at
-    row t only."""
-    eye = torch.eye(T, dtype=torch.bool, device=device)
-    return torch.cat([torch.ones(T, T, dtype=torch.bool, device=device).tril()] + [eye] * (steps - 1), 1)
-
-
-def _cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angle = positions.double()[:, None] * inv_freq[None, :]
-    angle = torch.cat([angle, angle], -1)
-    return angle.cos().float(), angle.sin().float()
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, h, T, D], rotate-half layout."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
 # ---------------------------------------------------------------- training

@@ -3,9 +3,9 @@
     specserve train-drafter --method eagle3 --prompts data/distill/prompts.jsonl --out heads/my-eagle3
 
 1. The engine answers every prompt with the target (chat template; greedy unless --temperature), appended
-   to OUT/work/distilled.jsonl as it goes.
-2. One target pass per prompt + answer writes the states the method reads to OUT/work/features (memmap).
-3. The head trains on all but every `--held-out-every`-th sequence; checkpoints go to OUT/work every
+   to WORK/distilled.jsonl as it goes (WORK: --work, default OUT/work).
+2. One target pass per prompt + answer writes the states the method reads to WORK/features (memmap).
+3. The head trains on all but every `--held-out-every`-th sequence; checkpoints go to WORK every
    --checkpoint-minutes, `--resume` continues from them (and reuses steps 1-2).
 4. OUT holds the head in the public layout (config.json, model.safetensors) and README.md: the command,
    data, steps, time, peak memory, held-back teacher-forced accuracy and the acceptance measured in the
@@ -48,7 +48,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--prompts", required=True,
                    help="JSON lines of {\"prompt\": ...} or {\"messages\": [...]}, or a text file of one prompt per line")
     p.add_argument("--out", required=True, help="output folder (the head, its README, and work/)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/work (answers, features, checkpoint)")
+    p.add_argument("--work", default=None,
+                   help="folder for answers, features, checkpoints and the log (default: OUT/work)")
+    p.add_argument("--resume", action="store_true", help="continue from the work folder (answers, features, checkpoint)")
     p.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--max-tokens", type=int, default=256, help="answer length cap for self-distillation")
     p.add_argument("--temperature", type=float, default=0.0, help="self-distillation sampling (0: greedy)")
@@ -87,7 +89,7 @@ def train_drafter(args, command: str = "", log=print) -> str:
     from specserve.train.distill import distill, read_prompts
     from specserve.train.features import Subset, TargetParts, default_aux_layers, write_feature_store
 
-    work = os.path.join(args.out, "work")
+    work = args.work or os.path.join(args.out, "work")
     if not args.resume and os.path.exists(work):
         shutil.rmtree(work)
     os.makedirs(work, exist_ok=True)
@@ -127,7 +129,7 @@ def train_drafter(args, command: str = "", log=print) -> str:
     acceptance = None
     if args.eval_prompts:
         held_prompts = [p for p in prompts if p["id"] in held_ids][:args.eval_prompts]
-        acceptance = measure_acceptance(args, held_prompts)
+        acceptance = measure_acceptance(args, held_prompts, min(4, args.num_heads) if args.method == "medusa" else 4)
         phases.done("acceptance check")
     data = dict(prompts=args.prompts, num_prompts=len(prompts), num_sequences=len(store),
                 num_train=len(train_set), num_held=len(held_set), num_tokens=store.num_tokens,

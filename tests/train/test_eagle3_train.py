@@ -1,7 +1,7 @@
 """EAGLE-3 training: the trained head's forward (TTT steps included) equals specserve's inference head after
-save and load; training on greedily self-distilled data from a tiny target learns to draft it; a stopped run
-resumes with the same loss curve; the saved folder drafts in the engine with output equal to plain greedy
-decoding; `specserve train-drafter` runs the whole pipeline on a tiny target.
+save and load, with rope scaling too; training on greedily self-distilled data from a tiny target learns to
+draft it; a stopped run resumes with the same loss curve; the saved folder drafts in the engine with output
+equal to plain greedy decoding; `specserve train-drafter` runs the whole pipeline on a tiny target.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from specserve.models.registry import build_model
 from specserve.sampling_params import SamplingParams
 from specserve.train import loop
 from specserve.train.eagle3 import Eagle3DraftModel, Eagle3HeadConfig, Eagle3Objective, build_draft_vocab
-from specserve.train.features import (FeatureStore, SequenceFeatures, TargetParts, answer_mask, default_aux_layers,
+from specserve.train.features import (FeatureStore, SequenceFeatures, answer_mask, default_aux_layers,
                                       masked_targets, target_states, write_feature_store)
 from tests.models.test_eagle_heads import DraftKV
 from tests.tiny_models import hf_config_dict, hf_state_dict, perturb_norms_and_biases, save_hf_folder, tiny_hf_model
@@ -105,29 +105,26 @@ def test_draft_vocab_is_the_most_frequent_targets_ascending(data):
         build_draft_vocab(masked_targets(train), VOCAB, VOCAB + 1)
 
 
-def test_training_forward_equals_inference_head_after_save_and_load(target, data, tmp_path):
-    """Step 0 over a whole sequence equals the head's paged prefill; TTT step i at row t equals the head's
-    i-th single-token draft step after a prefill of rows 0..t (teacher-forced tokens)."""
-    train, _ = data
-    model = perturb_norms_and_biases(new_model(target, train, seed=3)).eval()
-    folder = str(tmp_path / "draft")
+def saved_and_loaded(model: Eagle3DraftModel, target, folder: str):
+    """Saves the model's head to folder, gives the model the weights as written (float16) and loads the
+    folder in the engine: (checkpoint, Eagle3Head on specserve's copy of target)."""
     Eagle3Objective(model).save(folder)
-    with torch.no_grad():  # the checkpoint is float16
+    with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.half().float())
     ckpt = load_drafter_checkpoint(folder, "eagle3")
-    assert "embed_tokens.weight" not in ckpt.state_dict and "t2d" in ckpt.ignored_keys
-    aux_ids = ckpt.aux_layers_for(LAYERS)
-    assert aux_ids == default_aux_layers(LAYERS)
     spec_target = build_model(hf_config_dict(target), hf_state_dict(target), dtype=torch.float32,
-                              aux_hidden_layers=aux_ids)
-    head = Eagle3Head(ckpt, spec_target)
-    f = train[0]
+                              aux_hidden_layers=ckpt.aux_layers_for(target.config.num_hidden_layers))
+    return ckpt, Eagle3Head(ckpt, spec_target)
+
+
+def assert_forward_equals_head(model: Eagle3DraftModel, head: Eagle3Head, f: SequenceFeatures) -> None:
+    """Step 0 over a whole sequence equals the head's paged prefill; TTT step i at row t equals the head's
+    i-th single-token draft step after a prefill of rows 0..t (teacher-forced tokens)."""
     batch = loop.collate([f])
     with torch.no_grad():
         steps = [model.logits(s[0]) for s in model.unroll(batch.input_ids, batch.hidden, 3)]  # [T, Vd] each
-    T = len(f)
-    n = T - 1  # step 0 rows 0..T-2 read tokens 1..T-1
+    n = len(f) - 1  # step 0 rows 0..T-2 read tokens 1..T-1
     kv = DraftKV(head, [[5, 2, 9, 0, 7, 3, 11, 1, 4, 8, 6, 10, 12]])
     with torch.inference_mode():
         g = head.forward(f.input_ids[1:], head.project_aux(f.hidden[:n]), torch.arange(n), kv.meta([(0, n)]),
@@ -142,6 +139,36 @@ def test_training_forward_equals_inference_head_after_save_and_load(target, data
             g = head.forward(f.input_ids[t + 1 + i:t + 2 + i], g, torch.tensor([t + i]), kv.meta([(t + i, 1)]),
                              kv.cache)
             assert (head.compute_logits(g)[0] - steps[i][t]).abs().max().item() < 1e-4, i
+
+
+def test_training_forward_equals_inference_head_after_save_and_load(target, data, tmp_path):
+    train, _ = data
+    model = perturb_norms_and_biases(new_model(target, train, seed=3)).eval()
+    ckpt, head = saved_and_loaded(model, target, str(tmp_path / "draft"))
+    assert "embed_tokens.weight" not in ckpt.state_dict and "t2d" in ckpt.ignored_keys
+    assert ckpt.aux_layers_for(LAYERS) == default_aux_layers(LAYERS)
+    assert_forward_equals_head(model, head, train[0])
+
+
+def test_rope_scaling_is_trained_and_saved_as_the_engine_applies_it(tmp_path):
+    """A target with linear rope scaling: the head trains with the scaled RoPE and its config.json carries the
+    scaling, so the training forward still equals the engine's head."""
+    target = tiny_hf_model("llama", num_hidden_layers=LAYERS, initializer_range=0.1,
+                           rope_scaling={"rope_type": "linear", "factor": 2.0})
+    g = torch.Generator().manual_seed(2)
+    f = SequenceFeatures(torch.randint(3, VOCAB, (PROMPT_LEN + NEW_TOKENS,), generator=g),
+                         torch.randn(PROMPT_LEN + NEW_TOKENS, 3 * target.config.hidden_size, generator=g),
+                         torch.randint(3, VOCAB, (PROMPT_LEN + NEW_TOKENS,), generator=g),
+                         answer_mask(PROMPT_LEN + NEW_TOKENS, PROMPT_LEN))
+    torch.manual_seed(3)
+    config = Eagle3HeadConfig.from_target(target.config, DRAFT_VOCAB, default_aux_layers(LAYERS))
+    vocab = build_draft_vocab(f.target_ids, VOCAB, DRAFT_VOCAB)
+    model = perturb_norms_and_biases(Eagle3DraftModel(config, target.model.embed_tokens.weight, vocab)).eval()
+    folder = str(tmp_path / "draft")
+    _, head = saved_and_loaded(model, target, folder)
+    with open(os.path.join(folder, "config.json")) as file:
+        assert json.load(file)["rope_scaling"]["factor"] == 2.0
+    assert_forward_equals_head(model, head, f)
 
 
 CONFIG = loop.LoopConfig(lr=3e-3, epochs=10, batch_tokens=4 * (PROMPT_LEN + NEW_TOKENS), progress=False)

@@ -8,6 +8,7 @@ by what the k extra rows cost (attention over the context, the GEMMs' arithmetic
 screen); the ratio of the two medians is the price of verification that the drafts must repay.
 
     .venv/bin/python benchmarks/step_costs.py --category summarization --method ngram --rounds 2
+    .venv/bin/python benchmarks/step_costs.py --category writing --method eagle3 --k 4   # the shipped head
 """
 from __future__ import annotations
 
@@ -18,8 +19,24 @@ from collections import defaultdict
 
 from specserve.bench.common import DEFAULT_DATASET, read_specbench, render_prompts
 from specserve.bench.latency import select_per_category
+from specserve.config import SPEC_METHODS
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
+
+
+def timed_drafting(llm: LLM) -> list[float]:
+    """Seconds of propose_draft_token_ids (the drafter's whole share of a step) for every step from now on."""
+    runner, times = llm.llm_engine.runner, []
+    propose = runner.propose_draft_token_ids
+
+    def propose_timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = propose(*args, **kwargs)
+        times.append(time.perf_counter() - start)
+        return out
+
+    runner.propose_draft_token_ids = propose_timed
+    return times
 
 
 def timed_steps(llm: LLM) -> list[tuple[int, float]]:
@@ -42,14 +59,18 @@ def main() -> None:
     p.add_argument("--dataset", default=DEFAULT_DATASET)
     p.add_argument("--category", default="summarization")
     p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
+    p.add_argument("--method", default="ngram", choices=SPEC_METHODS)
+    p.add_argument("--spec-model", default=None, help="speculative_config.model (default: the method's own default)")
+    p.add_argument("--adaptive", action="store_true", help="adaptive_draft_length on (default: always draft k)")
     p.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     args = p.parse_args()
 
     rows = select_per_category(read_specbench(args.dataset), [args.category], args.prompts)
-    spec = {"method": args.method, "num_speculative_tokens": args.k}
+    spec = {"method": args.method, "num_speculative_tokens": args.k, "adaptive_draft_length": args.adaptive}
+    if args.spec_model:
+        spec["model"] = args.spec_model
     engines = {"plain": LLM(max_num_seqs=1, max_model_len=4096),
                args.method: LLM(max_num_seqs=1, max_model_len=4096, speculative_config=spec)}
     prompts = render_prompts(engines["plain"].get_tokenizer(), rows)
@@ -57,6 +78,7 @@ def main() -> None:
     for llm in engines.values():  # warm-up: kernels built, thread policy's first measurements
         llm.generate([prompts[0].as_engine_prompt()], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     steps = {name: timed_steps(llm) for name, llm in engines.items()}
+    drafting = timed_drafting(engines[args.method])
     decode_s, emitted = defaultdict(float), defaultdict(int)
     for _ in range(args.rounds):
         for prompt in prompts:
@@ -84,6 +106,9 @@ def main() -> None:
               f"{1e3 * (decode_s[name] - in_steps) / max(num_steps, 1):.2f} ms per step outside")
         print(f"  median step by tokens (count): {sizes}")
         print(f"  relative to plain's one-token step: {rel}")
+    draft_ms = statistics.median(drafting) * 1e3
+    print(f"drafting ({args.method}): median {draft_ms:.2f} ms a step = {draft_ms / base:.2f} of plain's one-token "
+          f"step, {draft_ms / args.k / base:.3f} per draft token at k={args.k}")
 
 
 if __name__ == "__main__":

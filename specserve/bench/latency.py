@@ -313,7 +313,8 @@ def median_rounds(rounds: list[list[RequestTiming]]) -> list[RequestTiming]:
 def _specserve_timing(method: str, prompt: BenchPrompt, out, total_s: float) -> RequestTiming:
     m = out.metrics
     spec_stats = ({"num_drafts": m.num_drafts, "num_draft_tokens": m.num_draft_tokens,
-                   "num_accepted_tokens": m.num_accepted_tokens} if method != PLAIN else {})
+                   "num_accepted_tokens": m.num_accepted_tokens,
+                   "accepted_per_position": list(m.accepted_per_position)} if method != PLAIN else {})
     return RequestTiming(method, prompt.category, prompt.question_id, len(prompt.token_ids),
                          ttft_s=m.first_token_time - m.arrival_time, decode_s=m.last_token_time - m.first_token_time,
                          total_s=total_s, token_ids=list(out.outputs[0].token_ids),
@@ -428,8 +429,19 @@ def geometric_mean(values) -> float:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
 
 
-def summarize_methods(rows: list[dict]) -> list[dict]:
-    """Per method, over categories: geometric means of the ratios, and the greedy check's totals."""
+def acceptance_by_position(timings: list[RequestTiming]) -> list[float]:
+    """Per draft position i, the share of all drafting rounds whose token i was accepted."""
+    rounds = sum(t.spec_stats.get("num_drafts", 0) for t in timings)
+    per_position = [t.spec_stats.get("accepted_per_position", []) for t in timings]
+    width = max(map(len, per_position), default=0)
+    return [sum(p[i] for p in per_position if i < len(p)) / rounds for i in range(width)] if rounds else []
+
+
+def summarize_methods(rows: list[dict], timings: list[RequestTiming] = ()) -> list[dict]:
+    """Per method, over categories: geometric means of the ratios, acceptance, and the greedy check's totals."""
+    timings_of: dict[str, list[RequestTiming]] = {}
+    for t in timings:
+        timings_of.setdefault(t.method, []).append(t)
     summary = []
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
@@ -440,6 +452,7 @@ def summarize_methods(rows: list[dict]) -> list[dict]:
             "decode_vs_transformers_plain_geomean": geometric_mean(r["decode_vs_transformers_plain"] for r in mine),
             "ttft_median_s_geomean": geometric_mean(r["ttft_median_s"] for r in mine),
             "acceptance_length_mean": sum(acceptance) / len(acceptance) if acceptance else None,
+            "acceptance_by_position": acceptance_by_position(timings_of.get(method, [])),
             "greedy_identical": sum(r["greedy_identical"] or 0 for r in mine),
             "greedy_compared": sum(r["greedy_compared"] for r in mine)})
     return summary
@@ -456,7 +469,7 @@ def build_report(args: argparse.Namespace, env: dict, configs: dict[str, dict], 
             "timing_notes": "specserve: from RequestMetrics (ttft = first_token - arrival, decode = last_token - "
                             "first_token); transformers: ttft = a separate 1-token generate of the same prompt, "
                             "decode = full generate - that",
-            "prompts": prompts_summary(prompts), "per_category": rows, "summary": summarize_methods(rows),
+            "prompts": prompts_summary(prompts), "per_category": rows, "summary": summarize_methods(rows, timings),
             "greedy_mismatches": mismatches, "per_request": [t.to_json() for t in timings]}
 
 
@@ -478,6 +491,10 @@ def format_report(report: dict) -> str:
     lines = ["Medians over each category's prompts; ratios are of decode tok/s; 'greedy = ref' counts outputs "
              "identical to the same engine's plain decoding.", format_table(headers, rows), "",
              "Summary over categories:", format_table(summary_headers, summary)]
+    for s in report["summary"]:
+        if s.get("acceptance_by_position"):
+            lines.append(f"{LABELS.get(s['method'], s['method'])}: draft position accepted in "
+                         + ", ".join(f"{r:.0%}" for r in s["acceptance_by_position"]) + " of rounds")
     for m in report["greedy_mismatches"]:
         lines.append(f"GREEDY MISMATCH: {LABELS.get(m['method'], m['method'])}, {m['category']} question "
                      f"{m['question_id']}: first differs from {LABELS[reference_method(m['method'])]} at output "

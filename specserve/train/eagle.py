@@ -9,8 +9,6 @@ cross-entropy of that token (w_cls = 0.1 in the paper).
 """
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
 
 import torch
@@ -21,7 +19,7 @@ from specserve.models.llama import DecoderConfig
 from specserve.models.rope import rope_parameters
 from specserve.train.features import SequenceFeatures, TargetParts
 from specserve.train.layers import MLP, DraftAttention, RMSNorm
-from specserve.train.loop import Batch, step_labels
+from specserve.train.loop import Batch, save_head, step_labels
 
 
 def eagle_config(target_config: dict, fc_bias: bool = True) -> dict:
@@ -137,13 +135,7 @@ class EagleObjective:
 
     def save(self, folder: str) -> None:
         """config.json + model.safetensors (float16) in SafeAILab's layout, without the embedding."""
-        from safetensors.torch import save_file
-
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(self.model.config, f, indent=2)
-        tensors = {k: v.detach().half().contiguous() for k, v in self.model.state_dict().items()}
-        save_file(tensors, os.path.join(folder, "model.safetensors"))
+        save_head(folder, self.model.config, self.model)
 
     def describe(self) -> list[str]:
         return ["reads the target's final hidden state; predicts its next one and drafts through the target's LM head",

@@ -3,8 +3,6 @@ the official layout (`midlayer.*`, d2t/t2d, no embedding) that models/drafter_lo
 """
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,7 +13,7 @@ import torch.nn.functional as F
 from specserve.models.rope import rope_parameters
 from specserve.train.features import SequenceFeatures, TargetParts, masked_targets
 from specserve.train.layers import MLP, DraftAttention, RMSNorm
-from specserve.train.loop import Batch, step_labels
+from specserve.train.loop import Batch, save_head, step_labels
 
 
 # ---------------------------------------------------------------- draft vocabulary
@@ -201,14 +199,7 @@ class Eagle3Objective:
 
     def save(self, folder: str) -> None:
         """config.json + model.safetensors in the official layout (no embedding)."""
-        from safetensors.torch import save_file
-
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(self.model.config.to_json(), f, indent=2)
-        tensors = {k: v.detach().half().contiguous() if v.is_floating_point() else v.detach().contiguous()
-                   for k, v in self.model.state_dict().items()}
-        save_file(tensors, os.path.join(folder, "model.safetensors"))
+        save_head(folder, self.model.config.to_json(), self.model)
 
     def describe(self) -> list[str]:
         m = self.model.config

@@ -131,6 +131,19 @@ def evaluate(objective: Objective, data: Sequence[SequenceFeatures], batch_token
     return [h / n if n else 0.0 for h, n in zip(hits, counts)]
 
 
+def save_head(folder: str, config: dict, model: torch.nn.Module) -> None:
+    """A drafter folder as the loaders read it: config.json, and model.safetensors with the module's state
+    dict (floating tensors in float16)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    tensors = {k: (v.detach().half() if v.is_floating_point() else v.detach()).contiguous()
+               for k, v in model.state_dict().items()}
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+
+
 def _atomic_save(obj, path: str) -> None:
     tmp = path + ".tmp"
     torch.save(obj, tmp)

@@ -8,8 +8,6 @@ LM head, to x_{t+2+k}; the loss is the heads' cross-entropies weighted 0.8**k.
 """
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specserve.train.features import SequenceFeatures, TargetParts
-from specserve.train.loop import Batch, step_labels
+from specserve.train.loop import Batch, save_head, step_labels
 
 
 class _ResidualBlock(nn.Module):
@@ -94,13 +92,7 @@ class MedusaObjective:
 
     def save(self, folder: str) -> None:
         """config.json + model.safetensors (float16) in vLLM's layout."""
-        from safetensors.torch import save_file
-
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(self.model.config, f, indent=2)
-        tensors = {k: v.detach().half().contiguous() for k, v in self.model.state_dict().items()}
-        save_file(tensors, os.path.join(folder, "model.safetensors"))
+        save_head(folder, self.model.config, self.model)
 
     def describe(self) -> list[str]:
         m = self.model

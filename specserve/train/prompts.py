@@ -202,7 +202,7 @@ def _reasoning(r, d, _):
     x, y, z = r.sample(WORDS, 3)
     return r.choice([
         f"If every {x[:-1]} is a {y[:-1]} and some {y} are {z}, must some {x} be {z}? Explain your reasoning.",
-        f"Alice is older than Bob, and Bob is older than Carol. Who is the youngest? Explain.",
+        "Alice is older than Bob, and Bob is older than Carol. Who is the youngest? Explain.",
         f"A box has {r.randint(2, 9)} red and {r.randint(2, 9)} blue balls. What is the probability of drawing "
         f"two red balls without replacement? Reason step by step.",
         f"Is this statement true or false, and why? \"{d.first_sentence}\" describes `{d.qualname}`."])

@@ -8,9 +8,9 @@ import pytest
 from specserve.bench.common import BenchPrompt, write_json
 from specserve.models.loader import default_model_path
 from specserve.bench.latency import (
-    DEFAULT_NUM_SPECULATIVE_TOKENS, HF_PLAIN, HF_PROMPT_LOOKUP, PLAIN, RequestTiming, build_report, check_args,
-    cmd_latency, format_report, geometric_mean, hf_timing, median_rounds, select_per_category, spec_configs,
-    summarize, summarize_methods)
+    DEFAULT_NUM_SPECULATIVE_TOKENS, HF_PLAIN, HF_PROMPT_LOOKUP, PLAIN, RequestTiming, acceptance_by_position,
+    build_report, check_args, cmd_latency, format_report, geometric_mean, hf_timing, median_rounds,
+    select_per_category, spec_configs, summarize, summarize_methods)
 
 
 def _parse(extra: list[str]):
@@ -157,6 +157,16 @@ def test_summary_geometric_means():
     assert summary[HF_PROMPT_LOOKUP]["decode_vs_transformers_plain_geomean"] == pytest.approx(1.0)
     assert geometric_mean([2.0, 8.0, None, float("nan")]) == pytest.approx(4.0)
     assert math.isnan(geometric_mean([]))
+
+
+def test_acceptance_by_position_is_per_drafting_round():
+    a, b = _timing("eagle3", "qa", "q1", 0.2, [1, 2]), _timing("eagle3", "qa", "q2", 0.2, [1, 2])
+    a.spec_stats = {"num_drafts": 10, "accepted_per_position": [8, 5, 2]}
+    b.spec_stats = {"num_drafts": 30, "accepted_per_position": [12, 3]}
+    assert acceptance_by_position([a, b]) == pytest.approx([0.5, 0.2, 0.05])
+    summary = {s["method"]: s for s in summarize_methods(summarize([a, b]), [a, b])}
+    assert summary["eagle3"]["acceptance_by_position"] == pytest.approx([0.5, 0.2, 0.05])
+    assert acceptance_by_position([]) == []
 
 
 def test_report_table_and_json(tmp_path):

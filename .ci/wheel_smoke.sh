@@ -33,6 +33,15 @@ print("\n".join(sorted(sources)))
 sys.exit(0 if any(n.endswith(".c") for n in sources) and any(n.endswith(".h") for n in sources) else 1)
 EOF
 
+step "check that the wheel holds the shipped draft heads (specserve/heads/*/model.safetensors, config.json)"
+"$work/venv/bin/python" - "$wheel" <<'EOF' || fail "the wheel lacks the shipped heads: see [tool.setuptools.package-data] in pyproject.toml"
+import sys, zipfile
+names = set(zipfile.ZipFile(sys.argv[1]).namelist())
+heads = {n.rsplit("/", 1)[0] for n in names if n.startswith("specserve/heads/") and n.endswith("/model.safetensors")}
+print("\n".join(sorted(heads)))
+sys.exit(0 if heads and all(f"{h}/config.json" in names for h in heads) else 1)
+EOF
+
 step "install the wheel and its runtime dependencies into a fresh venv"
 "$pip" install -q -c "$repo/constraints.txt" "$wheel"
 

@@ -1,6 +1,9 @@
+import os
+
 import pytest
 
 from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.heads import HEADS_DIR
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -9,7 +12,6 @@ from specserve.config import EngineConfig, SpeculativeConfig
     ({"method": "ngram", "prompt_lookup_min": 0}, "prompt_lookup"),
     ({"method": "eagle9"}, "method must be one of"),
     ({"method": "draft_model"}, "speculative_config.model is required"),
-    ({"method": "eagle3"}, "speculative_config.model is required for method 'eagle3'"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.model is required for method 'medusa'"),
     ({"method": "ngram", "num_speculative_token": 3}, "unknown speculative_config key"),
     ({"num_speculative_tokens": 3}, "method is required"),
@@ -19,6 +21,16 @@ from specserve.config import EngineConfig, SpeculativeConfig
 def test_invalid_speculative_configs_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.from_dict(bad)
+
+
+def test_eagle3_without_a_model_uses_the_shipped_head_on_the_default_model_only(default_gguf_path, tmp_path):
+    shipped = os.path.join(HEADS_DIR, "smollm2-135m-instruct-eagle3")
+    assert os.path.isfile(os.path.join(shipped, "model.safetensors"))
+    for target in (None, default_gguf_path):
+        assert SpeculativeConfig.from_dict({"method": "eagle3"}, target).model == shipped
+    assert SpeculativeConfig.from_dict({"method": "eagle3", "model": str(tmp_path)}).model == str(tmp_path)
+    with pytest.raises(ValueError, match="model is required for method 'eagle3'.*ships a head for the default model"):
+        SpeculativeConfig.from_dict({"method": "eagle3"}, str(tmp_path))
 
 
 def test_one_lookup_bound_is_copied_to_the_other():

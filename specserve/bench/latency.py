@@ -23,7 +23,8 @@ DEFAULT_METHODS = "ngram,suffix,draft_model"
 # tokens of context, and an int8 self-draft ~0.5 of a step per draft token. ngram's k is 8: replaying plain
 # decoding's outputs (benchmarks/spec_replay.py) at 2% per draft, k=8 matches k=5 everywhere but
 # extraction, where long copies make it better (3.32 vs 3.01 tokens per unit of cost).
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 5, "draft_model": 4, "eagle": 4, "eagle3": 4, "medusa": 3}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 5, "draft_model": 4, "eagle": 4, "eagle3": 4, "medusa": 3,
+                                  "auto": None}  # auto: each of its proposers' own default
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens, as in ANCHORS.md
 WARMUP_TOKENS = 16
 # Not a Spec-Bench question, so warming up leaves nothing in the prefix or suffix caches that a measured
@@ -155,8 +156,9 @@ def spec_configs(args: argparse.Namespace) -> dict[str, dict]:
         raise ValueError(f"--spec-config-json names method(s) not in --methods: {', '.join(sorted(extra))}")
     configs = {}
     for method in methods:
-        config = {"method": method,
-                  "num_speculative_tokens": args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS[method]}
+        config = {"method": method}
+        if args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS[method]:
+            config["num_speculative_tokens"] = args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS[method]
         if method == "draft_model":
             if args.draft_model:
                 config["model"] = args.draft_model
@@ -206,7 +208,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
 
 
 def header_line(args: argparse.Namespace, env: dict, configs: dict[str, dict]) -> str:
-    methods = ", ".join(f"{m} (k={c['num_speculative_tokens']})" for m, c in configs.items()) or "none"
+    methods = ", ".join(f"{m} (k={c.get('num_speculative_tokens', 'per proposer')})" for m, c in configs.items()) or "none"
     return (f"specserve bench latency: model {args.model or 'default (SmolLM2-135M-Instruct GGUF)'}, "
             f"{args.prompts_per_category} Spec-Bench prompts per category, {args.max_tokens} new tokens each, "
             f"{args.repeats} round(s) of specserve, "

@@ -4,7 +4,12 @@ drafter KV cache (spec_decode/drafter_kv.py).
 Each step it catches up on the tokens accepted since its last call (one batched forward with ragged
 queries), then runs k - 1 single-token steps. Its KV stays in step with accepted tokens: the cache's
 `num_valid` is the history length at its last catch-up, so rejected draft positions are simply
-overwritten next time. Greedy requests get argmax drafts (one-hot q); sampling requests get drafts
+overwritten next time, and a request that skipped drafting for some steps catches up on all of them at once.
+
+A self-draft (the target's own weights, quantized) has no cache of its own: it reads the target's KV of the
+history and writes its draft tokens' KV into the target's cache at the slots past the history, which the
+target's verification step overwrites with its own before it reads them (the scheduler reserves those
+slots as lookahead). No copy, no second pool, and nothing to catch up on but the newest token. Greedy requests get argmax drafts (one-hot q); sampling requests get drafts
 sampled from the drafter's own distribution under the request's sampling parameters, and those
 probabilities go to the rejection sampler, so verification stays lossless.
 """
@@ -14,8 +19,8 @@ import torch
 
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
-from specserve.ops.kernels import argmax_rows
-from specserve.spec_decode.drafter_kv import DrafterKVCache
+from specserve.ops.attention import paged_metadata
+from specserve.ops.kernels import argmax_rows, kernel_usable
 from specserve.spec_decode.draw import draft_chains, draft_sampling_metadata, draw
 from specserve.spec_decode.proposer import DraftInputs, KVCacheSpec, DrafterNeeds, Drafts, TargetInfo
 
@@ -30,17 +35,19 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config.model {spec_config.model!r} has a vocabulary of {draft_vocab} "
                              f"tokens; the target's has {target_vocab}: a draft model must share the tokenizer")
         self.max_position = min(target.max_model_len, self.model.config.max_position_embeddings)
-        # A self-draft (the target's own weights, perhaps quantized) takes the target's verified KV for the
-        # history instead of recomputing it: no prefill of its own, and one token per catch-up.
-        self.copies_target_kv = _is_self_draft(self.model, target.model)
+        # A self-draft (the target's own weights, perhaps quantized) works in the target's KV cache: no prefill
+        # of its own, and one token per catch-up.
+        self.shares_target_kv = _is_self_draft(self.model, target.model)
         cfg = self.model.config
-        self.needs = DrafterNeeds(
-            kv=KVCacheSpec(self.model.num_layers, cfg.num_key_value_heads, cfg.head_dim, self.model.dtype),
-            num_lookahead_tokens=spec_config.num_speculative_tokens, reads_target_kv=self.copies_target_kv)
+        own_kv = KVCacheSpec(self.model.num_layers, cfg.num_key_value_heads, cfg.head_dim, self.model.dtype)
+        self.needs = DrafterNeeds(kv=None if self.shares_target_kv else own_kv,
+                                  num_lookahead_tokens=spec_config.num_speculative_tokens,
+                                  reads_target_kv=self.shares_target_kv)
+        self.use_kernel = kernel_usable(self.model.dtype)
 
     @torch.inference_mode()
     def propose(self, inputs: DraftInputs) -> Drafts:
-        kv = inputs.drafter_kv
+        kv = _TargetKV(inputs.target_kv_caches, self.use_kernel) if self.shares_target_kv else inputs.drafter_kv
         rows = [i for i, n in enumerate(inputs.num_drafts)
                 if n > 0 and len(inputs.token_ids[i]) + n - 1 <= self.max_position]
         if not rows:
@@ -50,43 +57,30 @@ class DraftModelProposer:
                             lambda live, last, step: self._advance(inputs, kv, live, last, step))
 
     # ---- forward passes ------------------------------------------------------------------
-    def _forward(self, kv: DrafterKVCache, ids: list[int], positions: list[int], query_lens: list[int],
+    def _forward(self, kv, ids: list[int], positions: list[int], query_lens: list[int],
                  context_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
         meta = kv.metadata(query_lens, context_lens, tables)
         hidden, _ = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, kv.caches)
         last = torch.tensor(query_lens).cumsum(0) - 1
         return self.model.compute_logits(hidden[last])
 
-    def _catch_up(self, inputs: DraftInputs, kv: DrafterKVCache, rows: list[int]) -> torch.Tensor:
-        """Feed each request the history tokens the drafter has not seen; [len(rows), vocab] logits.
-
-        A self-draft first copies the target's KV of those tokens but the last, then feeds just that one."""
-        if self.copies_target_kv:
-            self._copy_target_kv(inputs, kv, rows)
+    def _catch_up(self, inputs: DraftInputs, kv, rows: list[int]) -> torch.Tensor:
+        """Feed each request the history tokens the drafter has not seen; [len(rows), vocab] logits. In the
+        target's cache every token but the newest has its KV (the target's own) already."""
         ids, positions, qlens, clens, tables = [], [], [], [], []
         for i in rows:
             rid, history = inputs.req_ids[i], inputs.token_ids[i]
-            start = kv.num_valid[rid]
+            start = len(history) - 1 if self.shares_target_kv else kv.num_valid[rid]
             ids.extend(history[start:])
             positions.extend(range(start, len(history)))
             qlens.append(len(history) - start)
             clens.append(len(history))
             tables.append(inputs.block_tables[rid])
-            # a self-draft's own KV of the newest token is replaced by the target's at the next copy
-            kv.num_valid[rid] = len(history) - self.copies_target_kv
+            if not self.shares_target_kv:
+                kv.num_valid[rid] = len(history)
         return self._forward(kv, ids, positions, qlens, clens, tables)
 
-    def _copy_target_kv(self, inputs: DraftInputs, kv: DrafterKVCache, rows: list[int]) -> None:
-        """KV of the verified tokens the drafter has not seen, from the target's cache (same slots)."""
-        slots = []
-        for i in rows:
-            rid = inputs.req_ids[i]
-            verified = len(inputs.token_ids[i]) - 1  # the newest token has no KV in the target yet
-            slots.extend(kv.slots(inputs.block_tables[rid], kv.num_valid[rid], verified))
-            kv.num_valid[rid] = verified
-        kv.copy_from(inputs.target_kv_caches, slots)
-
-    def _advance(self, inputs: DraftInputs, kv: DrafterKVCache, rows: list[int], last_tokens: list[int],
+    def _advance(self, inputs: DraftInputs, kv, rows: list[int], last_tokens: list[int],
                  step: int) -> torch.Tensor:
         """One token per request: the draft just proposed, at index len(history) + step."""
         positions = [len(inputs.token_ids[i]) + step for i in rows]
@@ -97,6 +91,17 @@ class DraftModelProposer:
         """logits: [len(rows), vocab] -> one draft per row, and q where any row samples."""
         meta = draft_sampling_metadata(inputs, rows, self.model.config.vocab_size)
         return draw(meta, lambda: argmax_rows(logits), lambda: logits)
+
+
+class _TargetKV:
+    """The target's KV cache seen through the drafter-cache interface (metadata and caches)."""
+
+    def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor]], use_kernel: bool) -> None:
+        self.caches, self.use_kernel = caches, use_kernel
+        self.block_size = caches[0][0].shape[1]
+
+    def metadata(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]]):
+        return paged_metadata(query_lens, context_lens, block_tables, self.block_size, self.use_kernel)
 
 
 def _is_self_draft(draft, target) -> bool:

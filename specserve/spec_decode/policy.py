@@ -24,6 +24,7 @@ plain decoding with the batch-1 prior, 12.2-13.1 s against 11.0-11.3 s with this
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # Measured on this CPU (SmolLM2, batch 1, ~1k-token summarization contexts): a step verifying 4 drafts
@@ -43,6 +44,7 @@ PROBE_EVERY = 8  # steps without drafting before one probing draft, when a draft
 # keeps PROBE_EVERY; an int8 self-draft at c ~0.5 probes every ~50 steps instead of every 8).
 PROBE_BUDGET = 0.01
 DRAFTING_EMA = 0.8  # weight of the history in the proposer's seconds per draft token
+RELAX = 0.98  # per step, an option a request is not using drifts back toward its starting rate (auto)
 MAX_PROBE_COST = 0.5  # no probing when one draft costs this much of a step share (a busy, compute-bound batch)
 
 
@@ -61,6 +63,10 @@ class AcceptanceStats:
         tried = min(num_accepted + 1, num_drafts)
         self.accepted = self.accepted * decay + num_accepted
         self.trials = self.trials * decay + tried
+
+    def relax(self, rate: float, keep: float = RELAX) -> None:
+        """Move the rate a step toward `rate` (an option not in use is tried again in time)."""
+        self.accepted = keep * self.accepted + (1.0 - keep) * rate * self.trials
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -140,9 +146,12 @@ class LinearStepFit:
             self.fit = (max(mean_y - per_token * mean_x, 0.0), per_token)
 
     def share(self, num_requests: int) -> float | None:
-        """Seconds of one request's share of a plain step (one token each) of num_requests requests."""
+        """Seconds of one request's share of a plain step (one token each) of num_requests requests; before
+        a fit, the mean seconds per token of the steps seen (a lower bound: it spreads the fixed cost over
+        drafts too), so a drafter's own time is priced from the first steps."""
         if self.fit is None:
-            return None
+            w, sx, sy = self.sums[:3]
+            return sy / sx if w and sx else None
         fixed, per_token = self.fit
         share = (fixed + per_token * num_requests) / max(num_requests, 1)
         return share if share > 0 else None
@@ -151,20 +160,41 @@ class LinearStepFit:
         """One draft token's verification cost relative to one request's share of a plain step of
         num_requests requests; None before a fit."""
         share = self.share(num_requests)
-        return None if share is None else self.fit[1] / share
+        return None if share is None or self.fit is None else self.fit[1] / share
 
 
-class DraftLengthPolicy:
-    def __init__(self, cost_per_draft: float = DEFAULT_COST_PER_DRAFT, adaptive: bool = True) -> None:
+@dataclass(frozen=True)
+class DraftOption:
+    """One way to draft: the proposer of a fixed method, or one of the proposers `auto` chooses between."""
+
+    name: str
+    max_drafts: int  # its num_speculative_tokens
+    # proposer seconds per draft token in plain steps, until measured (seeded requests always use it)
+    prior_drafting_cost: float = 0.0
+
+
+class DraftPolicy:
+    """Per request and step: which option drafts and how many tokens, or none (see the module docstring).
+
+    Options are ranked by expected tokens per unit of cost, each at its best draft length; only those
+    that beat plain decoding are listed, so a proposer that finds nothing (a lookup without a match) hands
+    the request to the next. With one option this is the draft length policy of a fixed method.
+    """
+
+    def __init__(self, options: Sequence[DraftOption] = (DraftOption("default", 32),),
+                 cost_per_draft: float = DEFAULT_COST_PER_DRAFT, adaptive: bool = True) -> None:
+        self.options = tuple(options)
         self.cost_per_draft = cost_per_draft
         self.adaptive = adaptive
-        self.stats: dict[str, AcceptanceStats] = {}
-        self.engine_stats = AcceptanceStats()  # every request's verifications, for new requests' start
+        self.stats: dict[str, list[AcceptanceStats]] = {}  # per request, per option
+        self.idle_steps: dict[str, int] = {}  # per request, steps since it last drafted
+        self.engine_stats = [AcceptanceStats() for _ in self.options]  # all requests, for new ones' start
         self.step_costs = StepCosts(cost_per_draft)  # one-request steps, by size
         self.batch_fit = LinearStepFit()  # steps of several requests
         self.num_running = 0  # requests in the last step
-        self.draft_seconds: float | None = None  # proposer seconds per draft token (moving average)
+        self.draft_seconds: list[float | None] = [None] * len(self.options)  # per option, per draft token
 
+    # ---- measurements --------------------------------------------------------------------
     def observe_step(self, num_requests: int, num_tokens: int, seconds: float) -> None:
         """The time of a decode or verification step (no prefill in it)."""
         self.num_running = num_requests
@@ -173,57 +203,104 @@ class DraftLengthPolicy:
         else:
             self.batch_fit.observe(num_tokens, seconds)
 
-    def observe_drafting(self, num_draft_tokens: int, seconds: float) -> None:
-        """The proposer's time for the drafts of one step: free for prompt lookup, k forward passes of a
+    def observe_drafting(self, num_draft_tokens: int, seconds: float, option: int = 0) -> None:
+        """A proposer's time for the drafts of one step: free for prompt lookup, k forward passes of a
         second model for draft_model, which a draft must repay as much as its verification."""
         if num_draft_tokens > 0:
             per_token = seconds / num_draft_tokens
-            old = self.draft_seconds
-            self.draft_seconds = per_token if old is None else DRAFTING_EMA * old + (1 - DRAFTING_EMA) * per_token
+            old = self.draft_seconds[option]
+            self.draft_seconds[option] = per_token if old is None else DRAFTING_EMA * old + (1 - DRAFTING_EMA) * per_token
 
-    def _drafting_cost(self, plain_seconds: float | None) -> float:
-        """Proposer time per draft token relative to a request's plain step (0 until both are measured)."""
-        if self.draft_seconds is None or not plain_seconds:
-            return 0.0
-        return self.draft_seconds / plain_seconds
-
-    def _cost(self):
-        """cost(k) of drafting and verifying k tokens for one request of the current step, in plain steps,
-        measured where possible."""
-        if self.num_running == 1:
-            drafting = self._drafting_cost(self.step_costs.seconds.get(1))
-            return lambda k: self.step_costs.relative(k) + drafting * k
-        per_draft = self.batch_fit.draft_cost(self.num_running)
-        per_draft = self.cost_per_draft if per_draft is None else per_draft
-        per_draft += self._drafting_cost(self.batch_fit.share(self.num_running))
-        return lambda k: 1.0 + per_draft * k
-
-    def num_drafts(self, req_id: str, max_k: int, seeded: bool = False) -> int:
-        """seeded: the request samples from its own generator, whose draws depend on how many drafts each
-        step verifies; it then follows the prior only, so its output depends on its own history alone and
-        not on timings or batch-mates."""
-        if not self.adaptive or max_k == 0:
-            return max_k
-        stats = self.stats.get(req_id)
-        if stats is None:
-            rate = PRIOR_ACCEPTANCE if seeded else max(PRIOR_ACCEPTANCE, self.engine_stats.rate)
-            stats = self.stats[req_id] = AcceptanceStats(accepted=rate * PRIOR_WEIGHT)
-        cost = (lambda k: 1.0 + self.cost_per_draft * k) if seeded else self._cost()
-        k = best_num_drafts_for(stats.rate, max_k, cost)
-        if k > 0:
-            stats.idle_steps = 0
-            return k
-        stats.idle_steps += 1
-        # Probe (one draft) now and then, unless a draft costs so much that no acceptance could repay it.
-        if stats.idle_steps >= probe_interval(cost(1) - 1.0) and cost(1) < 1.0 + MAX_PROBE_COST:
-            stats.idle_steps = 0
-            return 1
-        return 0
-
-    def record(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+    def record(self, req_id: str, num_drafts: int, num_accepted: int, option: int = 0) -> None:
         if num_drafts:
-            self.stats.setdefault(req_id, AcceptanceStats()).record(num_drafts, num_accepted)
-            self.engine_stats.record(num_drafts, num_accepted, ENGINE_DECAY)
+            self._request_stats(req_id)[option].record(num_drafts, num_accepted)
+            self.engine_stats[option].record(num_drafts, num_accepted, ENGINE_DECAY)
 
     def forget(self, req_id: str) -> None:
         self.stats.pop(req_id, None)
+        self.idle_steps.pop(req_id, None)
+
+    # ---- decisions -----------------------------------------------------------------------
+    def plan(self, req_id: str, max_k: int, seeded: bool = False) -> list[tuple[int, int]]:
+        """[(option, number of drafts)] for this step, best first; [] to decode plainly.
+
+        max_k caps every option (the request's own num_speculative_tokens, room left in max_model_len).
+        seeded: the request samples from its own generator, whose draws depend on how many drafts each
+        step verifies; it then follows the prior costs only, so its output depends on its own history alone
+        and not on timings or batch-mates."""
+        caps = [min(o.max_drafts, max_k) for o in self.options]
+        if not self.adaptive:
+            return [(i, k) for i, k in enumerate(caps) if k > 0]
+        stats = self._request_stats(req_id, seeded)
+        verify = (lambda k: 1.0 + self.cost_per_draft * k) if seeded else self._verify_cost()
+        costs = [self._option_cost(i, verify, seeded) for i in range(len(self.options))]
+        scored = []
+        for i, cap in enumerate(caps):
+            k = best_num_drafts_for(stats[i].rate, cap, costs[i]) if cap > 0 else 0
+            if k > 0:
+                scored.append((expected_tokens(stats[i].rate, k) / costs[i](k), i, k))
+        scored.sort(key=lambda s: -s[0])  # stable: ties keep the options' order
+        if len(self.options) > 1:
+            used = scored[0][1] if scored else -1
+            for i, s in enumerate(stats):
+                if i != used:
+                    s.relax(self._start_rate(i, seeded))
+        if scored:
+            self.idle_steps[req_id] = 0
+            return [(i, k) for _, i, k in scored]
+        return self._probe(req_id, caps, costs)
+
+    def num_drafts(self, req_id: str, max_k: int, seeded: bool = False) -> int:
+        """The draft length of a one-option policy (0: decode plainly this step)."""
+        plan = self.plan(req_id, max_k, seeded)
+        return plan[0][1] if plan else 0
+
+    def _probe(self, req_id: str, caps: list[int], costs) -> list[tuple[int, int]]:
+        """One draft from the cheapest option now and then, so a request whose text turns predictable
+        gets speculation back, unless a draft costs so much that no acceptance could repay it."""
+        idle = self.idle_steps[req_id] = self.idle_steps.get(req_id, 0) + 1
+        usable = [i for i, cap in enumerate(caps) if cap > 0]
+        if not usable:
+            return []
+        cheapest = min(usable, key=lambda i: costs[i](1))
+        probe_cost = costs[cheapest](1)
+        if idle >= probe_interval(probe_cost - 1.0) and probe_cost < 1.0 + MAX_PROBE_COST:
+            self.idle_steps[req_id] = 0
+            return [(cheapest, 1)]
+        return []
+
+    def _request_stats(self, req_id: str, seeded: bool = False) -> list[AcceptanceStats]:
+        stats = self.stats.get(req_id)
+        if stats is None:
+            stats = self.stats[req_id] = [AcceptanceStats(accepted=self._start_rate(i, seeded) * PRIOR_WEIGHT)
+                                          for i in range(len(self.options))]
+        return stats
+
+    def _start_rate(self, option: int, seeded: bool) -> float:
+        """A new request starts from the engine's own recent acceptance when that beats the prior."""
+        return PRIOR_ACCEPTANCE if seeded else max(PRIOR_ACCEPTANCE, self.engine_stats[option].rate)
+
+    def _drafting_cost(self, option: int, plain_seconds: float | None) -> float:
+        """Proposer time per draft token relative to a request's plain step (the prior until measured)."""
+        seconds = self.draft_seconds[option]
+        if seconds is None or not plain_seconds:
+            return self.options[option].prior_drafting_cost
+        return seconds / plain_seconds
+
+    def _verify_cost(self) -> Callable[[int], float]:
+        """cost(k) of verifying k drafts for one request of the current step, in plain steps, measured
+        where possible."""
+        if self.num_running == 1:
+            return self.step_costs.relative
+        per_draft = self.batch_fit.draft_cost(self.num_running)
+        per_draft = self.cost_per_draft if per_draft is None else per_draft
+        return lambda k: 1.0 + per_draft * k
+
+    def _option_cost(self, option: int, verify: Callable[[int], float], seeded: bool) -> Callable[[int], float]:
+        """cost(k) of drafting k tokens with `option` and verifying them, in plain steps."""
+        if seeded:
+            drafting = self.options[option].prior_drafting_cost
+        else:
+            plain = self.step_costs.seconds.get(1) if self.num_running == 1 else self.batch_fit.share(self.num_running)
+            drafting = self._drafting_cost(option, plain)
+        return lambda k: verify(k) + drafting * k

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from specserve.spec_decode.policy import DraftOption
+
 if TYPE_CHECKING:
     from specserve.spec_decode.drafter_kv import DrafterKVCache
 
@@ -47,6 +49,9 @@ class DrafterNeeds:
     # KV slots written ahead of the verified history (a drafter that feeds its k - 1 drafts back to itself).
     num_lookahead_tokens: int = 0
     reads_target_kv: bool = False  # copies the target's verified KV (a self-draft)
+    # The drafters a combined proposer (auto) chooses between per request, in the order of
+    # Drafts.sources; empty for a proposer that drafts one way.
+    options: tuple[DraftOption, ...] = ()
 
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
@@ -90,6 +95,9 @@ class DraftInputs:
     # The target's per-layer (k, v) caches, for a drafter that reads the target's KV; positions
     # < len(token_ids[i]) - 1 hold verified KV.
     target_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # [B] for a proposer with options: [(option, number of drafts)], best first; num_drafts[i] is the
+    # first entry's count (0 for an empty plan).
+    draft_plans: list[list[tuple[int, int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -97,6 +105,10 @@ class Drafts:
     token_ids: list[list[int]]  # [B] 0..num_drafts[i] tokens each
     # [B] draft probabilities [n_i, vocab] of sampling drafters; None: drafts are deterministic (one-hot q).
     probs: list[torch.Tensor | None] | None = None
+    # A proposer with options: [B] the option that drafted each request (None: no drafts), and
+    # [(option, draft tokens, seconds)] of each option's work this call.
+    sources: list[int | None] | None = None
+    timings: list[tuple[int, int, float]] | None = None
 
 
 class Proposer(Protocol):
@@ -138,4 +150,8 @@ def make_proposer(spec_config, target: TargetInfo) -> Proposer:
         from specserve.spec_decode.medusa import MedusaProposer
 
         return MedusaProposer(spec_config, target)
+    if method == "auto":
+        from specserve.spec_decode.auto import AutoProposer
+
+        return AutoProposer(spec_config, target)
     raise ValueError(f"speculative method {method!r} is not supported")

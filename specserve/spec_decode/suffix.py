@@ -179,7 +179,8 @@ class SuffixProposer:
         self.max_cached = spec_config.suffix_decoding_max_cached_requests
         self.spec_factor = spec_config.suffix_decoding_max_spec_factor
         self.min_prob = spec_config.suffix_decoding_min_token_prob
-        self._local: dict[str, tuple[SuffixTrie, int]] = {}  # req_id -> (trie of its tokens, prompt length)
+        # req_id -> (trie of its tokens, built when it drafts; prompt length; its live history list)
+        self._local: dict[str, tuple[SuffixTrie | None, int, list[int]]] = {}
         self.global_trie = SuffixTrie(self.depth)
         self._cached: deque[int] = deque()  # seq ids of the outputs in global_trie, oldest first
         self._next_seq_id = 0
@@ -190,18 +191,22 @@ class SuffixProposer:
         drafts = []
         for req_id, history, num_prompt, num_drafts in zip(inputs.req_ids, inputs.token_ids,
                                                            inputs.num_prompt_tokens, inputs.num_drafts):
-            trie = self._sync(req_id, history, num_prompt)  # kept current even without drafts: it feeds the cache
             cap = min(num_drafts, self.k)
-            drafts.append(self._draft(trie, history, cap) if cap > 0 else [])
+            if cap > 0:
+                drafts.append(self._draft(self._sync(req_id, history, num_prompt), history, cap))
+            else:  # no trie work; the history is kept for the global cache when the request finishes
+                trie = self._local.get(req_id, (None,))[0]
+                self._local[req_id] = (trie, num_prompt, history)
+                drafts.append([])
         return Drafts(token_ids=drafts)
 
     def _sync(self, req_id: str, history: list[int], num_prompt: int) -> SuffixTrie:
         """The request's trie, extended with the tokens appended since the last call."""
-        trie = self._local.get(req_id, (None, 0))[0]
+        trie = self._local.get(req_id, (None,))[0]
         seen = trie.seqs.get(0, []) if trie else []
         if trie is None or len(history) < len(seen) or (seen and history[len(seen) - 1] != seen[-1]):
             trie, seen = SuffixTrie(self.depth), []  # new, or not an extension of what we hold
-        self._local[req_id] = (trie, num_prompt)
+        self._local[req_id] = (trie, num_prompt, history)
         trie.extend(0, history[len(seen):])
         return trie
 
@@ -232,10 +237,10 @@ class SuffixProposer:
 
         Preempted requests never come here: they keep their trie, which `_sync` extends when they resume.
         """
-        trie, num_prompt = self._local.pop(req_id, (None, 0))
-        if trie is None or self.max_cached == 0:
+        _, num_prompt, history = self._local.pop(req_id, (None, 0, []))
+        if self.max_cached == 0:
             return
-        output = trie.seqs.get(0, [])[num_prompt:]
+        output = history[num_prompt:]
         if output:
             self.global_trie.extend(self._next_seq_id, output)
             self._cached.append(self._next_seq_id)

@@ -17,7 +17,7 @@ from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_t
 from specserve.sample.sampler import Sampler
 from specserve.sample.spec_metadata import SpecDecodeMetadata, build_spec_decode_metadata, logits_indices
 from specserve.spec_decode.drafter_kv import DrafterKVCache
-from specserve.spec_decode.policy import DraftLengthPolicy
+from specserve.spec_decode.policy import DraftOption, DraftPolicy
 from specserve.spec_decode.proposer import (DraftInputs, DrafterNeeds, KVCacheSpec, Proposer, TargetInfo,
                                             TargetStates, make_proposer)
 from specserve.types import SchedulerOutput, max_draft_tokens
@@ -87,11 +87,13 @@ class ModelRunner:
         self.uses_mrope = model.uses_mrope
         self.proposer: Proposer | None = None
         self.num_speculative_tokens = 0
-        self.draft_policy = DraftLengthPolicy()
+        self.draft_policy = DraftPolicy()
         if spec_config is not None:
             self.proposer = make_proposer(spec_config, TargetInfo(model, model.dtype, weight_dtype, max_model_len))
             self.num_speculative_tokens = spec_config.num_speculative_tokens
-            self.draft_policy = DraftLengthPolicy(adaptive=spec_config.adaptive_draft_length)
+            options = self.proposer.needs.options or (
+                DraftOption(spec_config.method, spec_config.num_speculative_tokens),)
+            self.draft_policy = DraftPolicy(options, adaptive=spec_config.adaptive_draft_length)
             model.set_aux_hidden_layers(self.proposer.needs.aux_layers)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.drafter_kv: DrafterKVCache | None = None
@@ -102,6 +104,7 @@ class ModelRunner:
         self.thread_policy = ThreadPolicy()
         self.rejection_sampler = RejectionSampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # [n, vocab] of drafts awaiting verification
+        self.draft_sources: dict[str, int] = {}  # the policy option that made the drafts awaiting verification
         self.finished_since_draft: set[str] = set()
 
     @property
@@ -153,6 +156,7 @@ class ModelRunner:
         for rid in sched.finished_req_ids:  # finished, or preempted (then rescheduled later as new)
             self.requests.pop(rid, None)
             self.draft_probs.pop(rid, None)
+            self.draft_sources.pop(rid, None)
             if self.drafter_kv is not None:
                 self.drafter_kv.forget(rid)  # its blocks are gone with the request's
             if rid not in sched.preempted_req_ids:
@@ -257,7 +261,7 @@ class ModelRunner:
         if spec is not None:
             for rid, drafts, toks in zip(batch.sample_req_ids, batch.draft_token_ids, tokens):
                 self.draft_probs.pop(rid, None)
-                self.draft_policy.record(rid, len(drafts), len(toks) - 1)
+                self.draft_policy.record(rid, len(drafts), len(toks) - 1, self.draft_sources.pop(rid, 0))
         for rid, toks in zip(batch.sample_req_ids, tokens):
             sampled[rid] = toks
             self.requests[rid].append(toks)
@@ -287,23 +291,30 @@ class ModelRunner:
         """Drafts for the next step, per request (None when speculation is off)."""
         if self.proposer is None:
             return None
-        inputs = self._build_draft_inputs(batch, sampled, hidden, aux)
+        plans = [self._draft_plan(self.requests[rid]) for rid in batch.sample_req_ids]
+        if not any(plans) and self.proposer.needs.target_states is not TargetStates.ALL:
+            return {}  # nothing pays: no drafting work (a drafter that keeps state catches up when it next drafts)
+        inputs = self._build_draft_inputs(batch, sampled, hidden, aux, plans)
         start = time.perf_counter()
         drafts = self.proposer.propose(inputs)
         if self._is_decode_step(batch):  # after a prefill a draft model also catches up on the whole prompt
-            self.draft_policy.observe_drafting(sum(map(len, drafts.token_ids)), time.perf_counter() - start)
+            for option, num_tokens, seconds in drafts.timings or [
+                    (0, sum(map(len, drafts.token_ids)), time.perf_counter() - start)]:
+                self.draft_policy.observe_drafting(num_tokens, seconds, option)
         for i, rid in enumerate(inputs.req_ids):
             if drafts.probs is not None and drafts.probs[i] is not None and drafts.token_ids[i]:
                 self.draft_probs[rid] = drafts.probs[i]
+            if drafts.sources is not None and drafts.sources[i] is not None:
+                self.draft_sources[rid] = drafts.sources[i]
         return {rid: d for rid, d in zip(inputs.req_ids, drafts.token_ids) if d}
 
-    def _num_drafts(self, state: CachedRequestState) -> int:
-        """The engine's k, lowered (or turned off with 0) per request by SamplingParams, then by the
-        draft-length policy from the request's recent acceptance."""
+    def _draft_plan(self, state: CachedRequestState) -> list[tuple[int, int]]:
+        """The engine's k, lowered (or turned off with 0) per request by SamplingParams, then the policy's
+        [(option, number of drafts)] from the request's recent acceptance and the measured costs."""
         k = getattr(state.sampling_params, "num_speculative_tokens", None)
         k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
         k = min(k, max_draft_tokens(len(state.token_ids), self.max_model_len))
-        return self.draft_policy.num_drafts(state.req_id, max(0, k), seeded=state.generator is not None)
+        return self.draft_policy.plan(state.req_id, max(0, k), seeded=state.generator is not None)
 
     def _target_rows(self, batch: InputBatch, sampled: dict[str, list[int]]) -> tuple[list[str], list[int], list[int]]:
         """(requests, row index, cu offsets) of the target states the proposer declared it reads: the
@@ -321,7 +332,7 @@ class ModelRunner:
         return list(req_ids), index, cu
 
     def _build_draft_inputs(self, batch: InputBatch, sampled: dict[str, list[int]], hidden: torch.Tensor,
-                            aux) -> DraftInputs:
+                            aux, plans: list[list[tuple[int, int]]]) -> DraftInputs:
         """What the proposer declared it needs, for the requests that got tokens this step."""
         req_ids = batch.sample_req_ids
         states = [self.requests[rid] for rid in req_ids]
@@ -332,7 +343,8 @@ class ModelRunner:
             next_token_ids=[sampled[rid][-1] for rid in req_ids],
             token_ids=[s.token_ids for s in states],
             num_prompt_tokens=[len(s.prompt_token_ids) for s in states],
-            num_drafts=[self._num_drafts(s) for s in states],
+            num_drafts=[plan[0][1] if plan else 0 for plan in plans],
+            draft_plans=plans,
             sampling_params=[s.sampling_params for s in states],
             generators=[s.generator for s in states],
             max_model_len=self.max_model_len,
@@ -340,7 +352,7 @@ class ModelRunner:
             drafter_kv=self.drafter_kv,
         )
         needs = self.proposer.needs
-        if needs.kv is not None:  # its slots follow the target's block tables
+        if needs.kv is not None or needs.reads_target_kv:  # its slots follow the target's block tables
             inputs.block_tables = {rid: self.requests[rid].block_ids for rid in batch.req_ids}
         if needs.target_states is not TargetStates.NONE:
             target_ids, index, inputs.cu_num_tokens = self._target_rows(batch, sampled)

@@ -1,6 +1,6 @@
 import pytest
 
-from specserve.spec_decode.policy import (PROBE_EVERY, DraftLengthPolicy, best_num_drafts, expected_tokens,
+from specserve.spec_decode.policy import (PROBE_EVERY, DraftPolicy, best_num_drafts, expected_tokens,
                                           probe_interval)
 
 
@@ -16,7 +16,7 @@ def test_draft_length_grows_with_acceptance_and_stops_when_it_does_not_pay():
 
 
 def test_policy_backs_off_after_rejections_and_probes_again():
-    policy = DraftLengthPolicy()
+    policy = DraftPolicy()
     assert policy.num_drafts("r", 6) > 0  # optimistic prior
     for _ in range(10):
         policy.record("r", 4, 0)
@@ -53,18 +53,18 @@ def test_new_requests_start_from_the_engines_acceptance_when_it_beats_the_prior(
     assert good.num_drafts("new", 4) > 0
     assert good.num_drafts("seeded", 4, seeded=True) == best_num_drafts(0.6, 4)  # the prior, fixed cost
     poor = policy_with_history(0)
-    assert poor.engine_stats.rate < 0.1 and poor.num_drafts("new", 4) == 0
-    assert poor.stats["new"].rate == pytest.approx(0.6)
+    assert poor.engine_stats[0].rate < 0.1 and poor.num_drafts("new", 4) == 0
+    assert poor.stats["new"][0].rate == pytest.approx(0.6)
 
 
 def test_fixed_policy_always_drafts_k():
-    policy = DraftLengthPolicy(adaptive=False)
+    policy = DraftPolicy(adaptive=False)
     policy.record("r", 4, 0)
     assert policy.num_drafts("r", 5) == 5
 
 
-def _policy_with_measured_costs(costs: dict[int, float]) -> DraftLengthPolicy:
-    policy = DraftLengthPolicy()
+def _policy_with_measured_costs(costs: dict[int, float]) -> DraftPolicy:
+    policy = DraftPolicy()
     for _ in range(5):
         for num_tokens, seconds in costs.items():
             policy.observe_step(1, num_tokens, seconds)
@@ -78,7 +78,7 @@ def test_measured_step_costs_replace_the_linear_prior():
     for _ in range(10):
         policy.record("r", 8, 4)  # accepts about 80% of drafts
     # the prior (3.5% per draft) would take all 8 drafts; the measured jump at 7 tokens caps it at 5
-    assert best_num_drafts(policy.stats["r"].rate, 8) == 8
+    assert best_num_drafts(policy.stats["r"][0].rate, 8) == 8
     assert policy.num_drafts("r", 8) == 5
     flat = _policy_with_measured_costs({n: 0.02 for n in range(1, 10)})
     for _ in range(10):
@@ -102,12 +102,12 @@ def test_seeded_requests_ignore_measured_costs():
     for _ in range(10):
         policy.record("r", 8, 4)
     assert policy.num_drafts("r", 8) == 0  # not worth it as measured...
-    assert policy.num_drafts("r", 8, seeded=True) == best_num_drafts(policy.stats["r"].rate, 8) > 0  # ...prior
+    assert policy.num_drafts("r", 8, seeded=True) == best_num_drafts(policy.stats["r"][0].rate, 8) > 0  # ...prior
 
 
 def test_batched_steps_draft_only_while_the_step_is_not_compute_bound():
     def policy_after(step_seconds, num_requests):
-        policy = DraftLengthPolicy()
+        policy = DraftPolicy()
         for i in range(40):  # step sizes vary as drafts vary
             tokens = num_requests + (i * 7) % 25
             policy.observe_step(num_requests, tokens, step_seconds(tokens))
@@ -139,7 +139,7 @@ def test_batch_fit_keeps_its_last_slope_when_steps_stop_varying():
 
 
 def test_no_probing_when_a_draft_costs_a_whole_step_share():
-    policy = DraftLengthPolicy()
+    policy = DraftPolicy()
     for i in range(40):
         tokens = 32 + (i * 7) % 25
         policy.observe_step(32, tokens, 0.0016 * tokens)
@@ -160,7 +160,7 @@ def test_the_proposers_own_time_is_part_of_a_drafts_cost():
             policy.record("r", 8, accepted)  # 1 accepted: 2 tried, a rate of 1/2
             policy.observe_drafting(8, 8 * drafting)
         assert at_least <= policy.num_drafts("r", 8) <= at_most
-    batched = DraftLengthPolicy()
+    batched = DraftPolicy()
     for tokens in range(4, 20):
         batched.observe_step(4, tokens, 0.02 + 0.0005 * tokens)
     for _ in range(10):

@@ -82,12 +82,12 @@ def test_self_draft_accepts_everything(prompts, default_gguf_path):
     llm, outs = _run({"method": "draft_model", "model": default_gguf_path, "num_speculative_tokens": 3}, prompts)
     m = _check_metrics(llm, outs)
     assert m.num_accepted_tokens == m.num_draft_tokens
-    assert llm.llm_engine.runner.proposer.copies_target_kv  # the target's KV, copied
+    assert llm.llm_engine.runner.proposer.shares_target_kv  # the target's KV
 
 
 def test_weaker_draft_keeps_greedy_output(prompts, weak_draft):
     llm, outs = _run({"method": "draft_model", "model": weak_draft, "num_speculative_tokens": 3}, prompts)
-    assert not llm.llm_engine.runner.proposer.copies_target_kv  # 10 layers: it computes its own KV
+    assert not llm.llm_engine.runner.proposer.shares_target_kv  # 10 layers: it computes its own KV
     m = _check_metrics(llm, outs)
     assert m.num_accepted_tokens < m.num_draft_tokens
 

@@ -1,0 +1,420 @@
+"""`specserve bench load`: total output tok/s and inter-token latency against the number of requests in flight,
+plain decoding against each speculative method, on the same Spec-Bench prompts in one run.
+
+Times are taken after each engine step. Wall time: first request added to last token delivered. TTFT: first
+request added to a request's first token. ITL is per token (ITL_DEFINITION); p50/p99 are over every token.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from specserve.bench.common import (
+    DEFAULT_DATASET, BenchPrompt, Stopwatch, common_prefix_len, environment_info, format_table, median,
+    mismatch_exit_status, prompts_summary, read_specbench, render_prompts, safe_div, select_spread, write_json)
+from specserve.bench.latency import DEFAULT_NUM_SPECULATIVE_TOKENS, WARMUP_MESSAGE, WARMUP_TOKENS, spec_configs
+
+DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64"
+DEFAULT_METHODS = "ngram,suffix,draft_model,auto"
+DEFAULT_OUTPUT = "bench_results/load.json"
+DEFAULT_PLOT = "bench_results/load.png"
+PLAIN = "plain"
+ITL_DEFINITION = ("each gap between consecutive steps that deliver tokens to a request, divided equally among the "
+                  "tokens the later step delivered (3 tokens 30 ms after the previous delivery count 10 ms each); "
+                  "the tokens of a request's first delivery count in TTFT, not ITL")
+
+
+@dataclass
+class RequestTrace:
+    """One request in one batch: when each step that brought it tokens ended (perf_counter), and how many."""
+
+    prompt: BenchPrompt
+    added: float = 0.0  # perf_counter when the request was added
+    times: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_drafts: int = 0
+    num_accepted_tokens: int = 0
+
+    def observe(self, now: float, output) -> None:
+        """Record a step's RequestOutput (its token_ids are the whole output so far)."""
+        token_ids = output.outputs[0].token_ids
+        if len(token_ids) > len(self.token_ids):
+            self.times.append(now)
+            self.counts.append(len(token_ids) - len(self.token_ids))
+            self.token_ids = list(token_ids)
+        self.num_drafts, self.num_accepted_tokens = output.metrics.num_drafts, output.metrics.num_accepted_tokens
+
+
+@dataclass
+class BatchRun:
+    """One method's engine at one concurrency level: N requests in flight until all of the level's are done."""
+
+    method: str
+    concurrency: int
+    repeat: int
+    start: float  # perf_counter just before the first request was added
+    num_steps: int
+    traces: list[RequestTrace]
+
+    @property
+    def wall_s(self) -> float:
+        return max(t.times[-1] for t in self.traces) - self.start
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(t.token_ids) for t in self.traces)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return safe_div(self.num_output_tokens, self.wall_s)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_parser(bench_sub) -> None:
+    from specserve.engine_args import add_engine_args
+
+    p = bench_sub.add_parser(
+        "load", help="total tok/s and inter-token latency vs concurrency: plain vs each speculative method",
+        description="For each concurrency N, plain decoding and each speculative method (all loaded up front) get "
+                    "the same Spec-Bench prompts (chat template, greedy, EOS ignored), N in flight: N requests "
+                    "start at once and each one that finishes is replaced by the next until --requests-per-slot x N "
+                    "have run, as N clients that each send their next request when the last is answered. Reports total "
+                    f"output tok/s, its ratio to plain, TTFT and inter-token latency p50/p99, a token's ITL being "
+                    f"{ITL_DEFINITION}. Each N takes the next N prompts of a spread over the categories, so no "
+                    "engine sees a prompt twice (a method that caches earlier outputs would copy them). Exits with "
+                    "status 1 when a speculative output differs from plain decoding's. Redraw the PNG from the "
+                    "JSON with: specserve bench load --replot JSON --plot OUT.png")
+    p.add_argument("--dataset", default=DEFAULT_DATASET, help="Spec-Bench JSONL (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default: %(default)s)")
+    p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
+                   help="comma-separated numbers of requests in flight (default: %(default)s)")
+    p.add_argument("--requests-per-slot", type=int, default=2,
+                   help="requests each of the N slots runs in turn at concurrency N (default: %(default)s)")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help=f"comma-separated speculative methods run besides plain decoding, from "
+                        f"{', '.join(DEFAULT_NUM_SPECULATIVE_TOKENS)} (default: %(default)s)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help=f"k for every speculative method (default per method: {DEFAULT_NUM_SPECULATIVE_TOKENS})")
+    p.add_argument("--spec-config-json", type=json.loads, default=None,
+                   help='per-method speculative_config overrides, e.g. \'{"ngram": {"prompt_lookup_max": 3}}\'')
+    p.add_argument("--draft-model", default=None,
+                   help="HF folder or .gguf file for draft_model (default: the target itself with int8 weights)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds, each on freshly loaded engines with the methods in a rotated order; each "
+                        "(method, N) reports its median-tok/s round (default: %(default)s)")
+    p.add_argument("--output-json", default=DEFAULT_OUTPUT, help="where to write results (default: %(default)s)")
+    p.add_argument("--plot", default=DEFAULT_PLOT,
+                   help="PNG to draw, '' for none; needs matplotlib, specserve[bench] (default: %(default)s)")
+    p.add_argument("--replot", metavar="JSON", default=None,
+                   help="only redraw --plot from a JSON file this command wrote; runs no model")
+    add_engine_args(p, speculation_flags=False)
+    p.set_defaults(max_num_seqs=None, func=cmd_load)
+
+
+def parse_concurrency(text: str) -> list[int]:
+    """The levels in ascending order; each an integer >= 1, none twice."""
+    try:
+        levels = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency must be a comma-separated list of integers >= 1, got {text!r}")
+    if len(set(levels)) != len(levels):
+        raise ValueError(f"--concurrency lists a value twice: {text}")
+    return sorted(levels)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    levels = parse_concurrency(args.concurrency)
+    if args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be >= 2 (inter-token latency needs a token after the first), "
+                         f"got {args.max_tokens}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.requests_per_slot < 1:
+        raise ValueError(f"--requests-per-slot must be >= 1, got {args.requests_per_slot}")
+    if args.max_num_seqs is not None and args.max_num_seqs < max(levels):
+        raise ValueError(f"--max-num-seqs {args.max_num_seqs} is below the largest --concurrency {max(levels)}: "
+                         "requests would queue instead of running together")
+    if args.plot and not args.plot.endswith(".png"):
+        raise ValueError(f"--plot must name a .png file (or be empty for no plot), got {args.plot!r}")
+    if args.speculative_config is not None:
+        raise ValueError("bench load takes --methods and --spec-config-json, not --speculative-config")
+    spec_configs(args)  # refuses bad methods and keys before any model loads
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    if args.replot:
+        if not Path(args.replot).is_file():
+            raise ValueError(f"--replot: no such file {args.replot}")
+        return 0 if save_plot(json.loads(Path(args.replot).read_text()), args.plot or DEFAULT_PLOT) else 1
+    check_args(args)
+    configs = spec_configs(args)
+    levels = parse_concurrency(args.concurrency)
+    env = environment_info()
+    print(header_line(args, env, configs, levels), flush=True)
+    prompts, runs = run_rounds(args, configs, levels, read_specbench(args.dataset))
+    env["load_average_1m_end"] = environment_info().get("load_average_1m")  # the machine may be shared
+    report = build_report(args, env, configs, prompts, runs)
+    print()
+    print(format_report(report))
+    print(f"\nwrote {write_json(args.output_json, report)}")
+    if args.plot:
+        save_plot(report, args.plot)
+    return mismatch_exit_status("load", [m["line"] for m in report["greedy_mismatches"]])
+
+
+def header_line(args: argparse.Namespace, env: dict, configs: dict[str, dict], levels: list[int]) -> str:
+    methods = ", ".join(f"{m} (k={c.get('num_speculative_tokens', 'per proposer')})" for m, c in configs.items()) or "none"
+    return (f"specserve bench load: model {args.model or 'default (SmolLM2-135M-Instruct GGUF)'}, concurrency "
+            f"{', '.join(map(str, levels))}, {args.max_tokens} new tokens per request, {args.repeats} round(s), "
+            f"greedy, EOS ignored; speculative methods: {methods}\n"
+            f"torch {env['torch']} with {env['torch_num_threads']} threads on {env['cpu_count']} CPUs "
+            f"({env['cpu']}), load average {env.get('load_average_1m', '?')}")
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- running
+
+
+def run_rounds(args: argparse.Namespace, configs: dict[str, dict], levels: list[int], rows: list[dict]
+               ) -> tuple[dict[int, list[BenchPrompt]], list[BatchRun]]:
+    """Every round loads every engine up front, so a machine that slows down mid-run slows all methods
+    alike; a later round reloads them, since a method may keep earlier outputs (suffix's cache)."""
+    methods = [PLAIN, *configs]
+    by_level, runs = {}, []
+    for r in range(args.repeats):
+        engines = {m: load_engine(args, m, configs.get(m), max(levels)) for m in methods}
+        if r == 0:
+            by_level = prompts_by_level(engines[PLAIN].get_tokenizer(), rows, levels, args.requests_per_slot)
+        warm_up(engines)
+        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        for n in levels:
+            for method in order:
+                runs.append(run_batch(engines[method], method, by_level[n], args.max_tokens, f"{r}-{n}", r, n))
+                _log(f"round {r + 1}, {n} in flight, {method}: {runs[-1].tokens_per_s:.1f} tok/s")
+        del engines
+        gc.collect()
+    return by_level, runs
+
+
+def load_engine(args: argparse.Namespace, method: str, spec_config: dict | None, max_concurrency: int):
+    from specserve.engine_args import engine_kwargs
+    from specserve.llm import LLM
+
+    kwargs = engine_kwargs(args)
+    kwargs.update(speculative_config=spec_config, max_num_seqs=args.max_num_seqs or max_concurrency)
+    with Stopwatch() as sw:
+        llm = LLM(**kwargs)
+    _log(f"{method}: loaded in {sw.seconds:.1f} s")
+    return llm
+
+
+def warm_up(engines: dict) -> None:
+    """One short request per engine, on a prompt that is not a Spec-Bench question (nothing for caches)."""
+    warmup = render_prompts(engines[PLAIN].get_tokenizer(), [{"category": "warmup", "turns": [WARMUP_MESSAGE]}])
+    for method, llm in engines.items():
+        run_batch(llm, method, warmup, WARMUP_TOKENS, "warmup")
+
+
+def prompts_by_level(tokenizer, rows: list[dict], levels: list[int], per_slot: int = 1
+                     ) -> dict[int, list[BenchPrompt]]:
+    """Level N's N x per_slot prompts: the next ones of a round-robin over the categories, wrapping around
+    (with a note) only when the dataset has fewer questions than all levels together."""
+    total = sum(levels) * per_slot
+    spread = render_prompts(tokenizer, select_spread(rows, min(total, len(rows))))
+    if total > len(spread):
+        _log(f"note: {total} requests over all levels but {len(spread)} questions: prompts repeat, and a method "
+             "that caches earlier outputs may find their answers")
+    by_level, start = {}, 0
+    for n in levels:
+        by_level[n] = [spread[(start + i) % len(spread)] for i in range(n * per_slot)]
+        start += n * per_slot
+    return by_level
+
+
+def run_batch(llm, method: str, prompts: list[BenchPrompt], max_tokens: int, tag: str, repeat: int = 0,
+              concurrency: int | None = None) -> BatchRun:
+    """`concurrency` requests in flight (default: all at once); each that finishes is replaced by the next
+    prompt; `step()` until none is left, timing each step's deliveries."""
+    from specserve.sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    engine.kv_cache_manager.reset_prefix_cache()  # every run prefills its prompts in full
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    traces = {f"load-{tag}-{i}": RequestTrace(p) for i, p in enumerate(prompts)}
+    waiting = list(traces.items())[::-1]
+
+    def add_next() -> None:
+        request_id, trace = waiting.pop()
+        trace.added = time.perf_counter()
+        try:
+            engine.add_request(request_id, {"prompt_token_ids": list(trace.prompt.token_ids)}, params)
+        except ValueError as e:
+            raise ValueError(f"{method}: question {trace.prompt.question_id} cannot run: {e}") from e
+
+    start = time.perf_counter()
+    for _ in range(min(concurrency or len(prompts), len(prompts))):
+        add_next()
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        outputs, num_steps = engine.step(), num_steps + 1
+        now = time.perf_counter()
+        for out in outputs:
+            if out.error:
+                raise RuntimeError(f"{method}: request {out.request_id} (question "
+                                   f"{traces[out.request_id].prompt.question_id}) failed: {out.error}")
+            traces[out.request_id].observe(now, out)
+            if out.finished and waiting:
+                add_next()
+    return BatchRun(method, concurrency or len(prompts), repeat, start, num_steps, list(traces.values()))
+
+
+# ---------------------------------------------------------------- report
+
+
+def itl_samples(times: Sequence[float], counts: Sequence[int]) -> list[float]:
+    """One ITL per token after the first delivery: the gap to the previous delivery over its token count."""
+    return [(times[j] - times[j - 1]) / counts[j] for j in range(1, len(times)) for _ in range(counts[j])]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), interpolating linearly between the two nearest ranks (numpy's default)."""
+    if not values:
+        return float("nan")
+    ordered, position = sorted(values), (len(values) - 1) * q / 100
+    low, high = int(position), min(int(position) + 1, len(values) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize_run(run: BatchRun) -> dict:
+    itl = [s for t in run.traces for s in itl_samples(t.times, t.counts)]
+    drafts = sum(t.num_drafts for t in run.traces)
+    decode_steps = sum(len(t.times) - 1 for t in run.traces)
+    return {"method": run.method, "concurrency": run.concurrency, "repeat": run.repeat, "wall_s": run.wall_s,
+            "num_steps": run.num_steps, "num_output_tokens": run.num_output_tokens, "tokens_per_s": run.tokens_per_s,
+            "ttft_median_ms": 1000 * median(t.times[0] - t.added for t in run.traces),
+            "itl_p50_ms": 1000 * percentile(itl, 50), "itl_p99_ms": 1000 * percentile(itl, 99),
+            "num_itl_samples": len(itl),
+            "acceptance_length": 1 + sum(t.num_accepted_tokens for t in run.traces) / drafts if drafts else None,
+            "drafted_step_share": safe_div(drafts, decode_steps) if run.method != PLAIN else None}
+
+
+def median_rows(runs: list[BatchRun]) -> list[dict]:
+    """Per (method, N), the summary of its median-tok/s round (the lower middle for an even count), with every
+    round's tok/s, and its tok/s over plain's at the same N; ordered by N, then method as first run."""
+    by_key: dict[tuple[int, str], list[BatchRun]] = {}
+    for run in sorted(runs, key=lambda r: r.concurrency):
+        by_key.setdefault((run.concurrency, run.method), []).append(run)
+    rows = []
+    for group in by_key.values():
+        ranked = sorted(group, key=lambda r: r.tokens_per_s)
+        row = summarize_run(ranked[(len(ranked) - 1) // 2])
+        rows.append({**row, "tokens_per_s_rounds": [r.tokens_per_s for r in group]})
+    plain = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == PLAIN}
+    for row in rows:
+        row["vs_plain"] = safe_div(row["tokens_per_s"], plain.get(row["concurrency"], float("nan")))
+    return rows
+
+
+def ratio_table(rows: list[dict]) -> list[dict]:
+    """One entry per concurrency: plain's tok/s and each speculative method's tok/s over plain's."""
+    table: dict[int, dict] = {}
+    for row in rows:
+        entry = table.setdefault(row["concurrency"], {"concurrency": row["concurrency"]})
+        if row["method"] == PLAIN:
+            entry["plain_tokens_per_s"] = row["tokens_per_s"]
+        else:
+            entry[row["method"]] = row["vs_plain"]
+    return [table[n] for n in sorted(table)]
+
+
+def greedy_mismatches(runs: list[BatchRun]) -> list[dict]:
+    """Every speculative output that differs from plain decoding's for the same request of the same round."""
+    plain = {(r.concurrency, r.repeat): r for r in runs if r.method == PLAIN}
+    found = []
+    for run in runs:
+        reference = plain.get((run.concurrency, run.repeat))
+        if run.method == PLAIN or reference is None:
+            continue
+        for i, (ours, ref) in enumerate(zip(run.traces, reference.traces)):
+            if ours.token_ids != ref.token_ids:
+                diff = common_prefix_len(ours.token_ids, ref.token_ids)
+                p = ours.prompt
+                found.append({"method": run.method, "concurrency": run.concurrency, "repeat": run.repeat,
+                              "request": i, "question_id": p.question_id, "category": p.category, "first_diff": diff,
+                              "line": f"specserve {run.method}, {run.concurrency} in flight (round {run.repeat + 1}), "
+                                      f"{p.category} question {p.question_id}: output differs from plain decoding "
+                                      f"at token {diff}"})
+    return found
+
+
+def build_report(args: argparse.Namespace, env: dict, configs: dict[str, dict],
+                 prompts: dict[int, list[BenchPrompt]], runs: list[BatchRun]) -> dict:
+    rows = median_rows(runs)
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    return {"benchmark": "load", "settings": settings, "environment": env, "speculative_configs": configs,
+            "methods": [PLAIN, *configs], "concurrency": sorted(prompts),
+            "definitions": {"wall_s": "first request added to last token delivered", "itl": ITL_DEFINITION,
+                            "ttft": "first request added to the request's first token",
+                            "acceptance_length": "1 + accepted / drafts, over all requests",
+                            "drafted_step_share": "steps that verified a draft / steps after the first token"},
+            "prompts": {n: prompts_summary(p) for n, p in prompts.items()}, "results": rows,
+            "ratio_table": ratio_table(rows), "greedy_compared": sum(len(r.traces) for r in runs if r.method != PLAIN),
+            "greedy_mismatches": greedy_mismatches(runs)}
+
+
+def format_report(report: dict) -> str:
+    """Throughput ratios, ITL and acceptance, one row per concurrency; then the greedy check."""
+    methods, rows = report["methods"], report["results"]
+    spec = methods[1:]
+    cell = {(r["concurrency"], r["method"]): r for r in rows}
+    levels = report["concurrency"]
+    throughput = [[n, cell[n, PLAIN]["tokens_per_s"], *[_ratio(cell[n, m]["vs_plain"]) for m in spec]] for n in levels]
+    itl = [[n, *[f"{cell[n, m]['itl_p50_ms']:.1f} / {cell[n, m]['itl_p99_ms']:.1f}" for m in methods]] for n in levels]
+    accept = [[n, *[_acceptance(cell[n, m]) for m in spec]] for n in levels]
+    mismatches = report["greedy_mismatches"]
+    lines = ["Total output tok/s (plain) and each method's over plain's:",
+             format_table(["concurrency", "plain tok/s", *[f"{m} / plain" for m in spec]], throughput), "",
+             "Inter-token latency p50 / p99 ms (a delivery's gap split equally among its tokens):",
+             format_table(["concurrency", *methods], itl)]
+    if spec:
+        lines += ["", "Mean acceptance length (share of decode steps that verified a draft):",
+                  format_table(["concurrency", *spec], accept), "",
+                  f"greedy check: {report['greedy_compared'] - len(mismatches)}/{report['greedy_compared']} "
+                  f"speculative outputs identical to plain decoding's" + (" MISMATCH" if mismatches else "")]
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str | None:
+    return None if value is None or value != value else f"{value:.2f}x"
+
+
+def _acceptance(row: dict) -> str | None:
+    if row["acceptance_length"] is None:
+        return None
+    return f"{row['acceptance_length']:.2f} ({row['drafted_step_share']:.0%})"
+
+
+def save_plot(report: dict, path: str) -> bool:
+    """Draw the figure (specserve.bench.load_plot), or say why not when matplotlib is missing."""
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"note: matplotlib is not installed, so {path} was not drawn (pip install 'specserve[bench]')")
+        return False
+    from specserve.bench.load_plot import plot_load
+
+    print(f"wrote {plot_load(report, path)}")
+    return True

@@ -1,0 +1,200 @@
+"""`specserve bench load`: argument checks, the report's arithmetic (per-token ITL, percentiles, median rounds,
+ratios, greedy check) on synthetic step timings, the figure, and one small end-to-end run on the default model
+whose speculative outputs must equal plain decoding's."""
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from specserve.bench.common import BenchPrompt, write_json
+from specserve.bench.load import (
+    PLAIN, BatchRun, RequestTrace, build_report, check_args, cmd_load, format_report, greedy_mismatches,
+    itl_samples, median_rows, parse_concurrency, percentile, prompts_by_level, ratio_table, save_plot,
+    summarize_run)
+from specserve.bench.load_plot import plot_load
+from specserve.cli import build_parser, main
+
+DATASET = str(Path(__file__).parents[1] / "data" / "specbench_sample.jsonl")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _parse(extra: list[str]):
+    return build_parser().parse_args(["bench", "load", "--methods", "ngram,suffix", *extra])
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_cli_defaults():
+    args = build_parser().parse_args(["bench", "load"])
+    assert args.func is cmd_load
+    assert (args.concurrency, args.methods, args.max_tokens, args.repeats) == (
+        "1,2,4,8,16,32,64", "ngram,suffix,draft_model,auto", 128, 1)
+    assert (args.output_json, args.plot, args.replot) == ("bench_results/load.json", "bench_results/load.png", None)
+    assert args.max_num_seqs is None  # then max(concurrency)
+    check_args(_parse([]))
+    assert parse_concurrency("8, 1,4") == [1, 4, 8]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--concurrency", "0,2"], "--concurrency must be"),
+    (["--concurrency", "1,x"], "--concurrency must be"),
+    (["--concurrency", ""], "--concurrency must be"),
+    (["--concurrency", "2,4,2"], "--concurrency lists a value twice"),
+    (["--max-tokens", "1"], "--max-tokens must be >= 2"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--concurrency", "1,8", "--max-num-seqs", "4"], "--max-num-seqs 4 is below the largest --concurrency 8"),
+    (["--plot", "load.jpg"], "--plot must name a .png"),
+    (["--methods", "lookahead"], "--methods: unknown method"),
+    (["--spec-config-json", '{"suffix": {"typo": 1}}'], "unknown speculative_config key"),
+    (["--speculative-config", '{"method": "ngram"}'], "--methods and --spec-config-json"),
+])
+def test_check_args_refuses_bad_input(extra, message):
+    with pytest.raises(ValueError, match=message):
+        check_args(_parse(extra))
+
+
+def test_bad_input_exits_2_naming_the_flag(capsys, tmp_path):
+    assert main(["bench", "load", "--methods", "ngram", "--concurrency", "0"]) == 2
+    assert "error: --concurrency must be" in capsys.readouterr().err
+    assert main(["bench", "load", "--replot", str(tmp_path / "missing.json")]) == 2
+    assert "--replot: no such file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- report arithmetic
+
+
+def test_itl_splits_each_gap_over_the_tokens_it_brought():
+    # deliveries at 1.0 (first token: TTFT, no ITL), 1.1 (1 token), 1.4 (3 tokens), 1.5 (2 tokens)
+    assert itl_samples([1.0, 1.1, 1.4, 1.5], [1, 1, 3, 2]) == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.05, 0.05])
+    assert itl_samples([2.0], [4]) == []
+
+
+def test_percentile_interpolates_between_ranks():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 50) == pytest.approx(2.5)
+    assert percentile(values, 99) == pytest.approx(3.97)  # rank 2.97: 3 + 0.97 * (4 - 3)
+    assert (percentile(values, 0), percentile(values, 100), percentile([5.0], 99)) == (1.0, 4.0, 5.0)
+    assert math.isnan(percentile([], 50))
+
+
+def _trace(times, counts, tokens=None, qid=0, drafts=0, accepted=0) -> RequestTrace:
+    tokens = list(range(sum(counts))) if tokens is None else tokens
+    return RequestTrace(BenchPrompt(qid, "qa", "t", [1, 2]), list(times), list(counts), tokens, drafts, accepted)
+
+
+def test_summarize_run():
+    # two requests added at t=10.0; the second gets 3 tokens at 10.5 (2 after a 0.4 s gap: 0.2 s each)
+    run = BatchRun("ngram", 2, 0, 10.0, 4, [_trace([10.2, 10.3, 10.4], [1, 1, 1], drafts=1, accepted=0),
+                                            _trace([10.1, 10.5], [1, 2], drafts=1, accepted=1)])
+    row = summarize_run(run)
+    assert (row["wall_s"], row["num_output_tokens"]) == (pytest.approx(0.5), 6)
+    assert row["tokens_per_s"] == pytest.approx(12.0)
+    assert row["ttft_median_ms"] == pytest.approx(150.0)  # first tokens at 0.2 and 0.1 s
+    assert row["num_itl_samples"] == 4  # ITLs 0.1, 0.1, 0.2, 0.2 s
+    assert (row["itl_p50_ms"], row["itl_p99_ms"]) == (pytest.approx(150.0), pytest.approx(200.0))
+    assert row["acceptance_length"] == pytest.approx(1.5)  # 1 + 1 accepted / 2 drafts
+    assert row["drafted_step_share"] == pytest.approx(2 / 3)  # 2 drafted of 3 steps after a first token
+    plain = summarize_run(BatchRun(PLAIN, 1, 0, 0.0, 2, [_trace([0.1, 0.2], [1, 1])]))
+    assert plain["acceptance_length"] is None and plain["drafted_step_share"] is None
+
+
+def _run(method, n, repeat, seconds, tokens=(1, 2, 3)) -> BatchRun:
+    """n requests of len(tokens) tokens, the last delivered `seconds` after the start: n * 3 / seconds tok/s."""
+    traces = [_trace([seconds / 2, seconds], [1, len(tokens) - 1], list(tokens), qid=i) for i in range(n)]
+    return BatchRun(method, n, repeat, 0.0, 2, traces)
+
+
+def _rounds() -> list[BatchRun]:
+    # plain at N=1: 3 tok/s in every round; ngram at N=1: 6, 2, 4 tok/s (median 4); at N=2 ngram 1.5x plain
+    runs = [_run(PLAIN, 1, r, 1.0) for r in range(3)]
+    runs += [_run("ngram", 1, 0, 0.5), _run("ngram", 1, 1, 1.5), _run("ngram", 1, 2, 0.75)]
+    return runs + [_run(PLAIN, 2, 0, 2.0), _run("ngram", 2, 0, 2 / 1.5)]
+
+
+def test_median_rows_and_ratio_table():
+    rows = {(r["method"], r["concurrency"]): r for r in median_rows(_rounds())}
+    ngram = rows["ngram", 1]
+    assert (ngram["tokens_per_s"], ngram["repeat"]) == (pytest.approx(4.0), 2)
+    assert ngram["tokens_per_s_rounds"] == pytest.approx([6.0, 2.0, 4.0])
+    assert ngram["vs_plain"] == pytest.approx(4 / 3) and rows[PLAIN, 1]["vs_plain"] == pytest.approx(1.0)
+    assert rows["ngram", 2]["vs_plain"] == pytest.approx(1.5)
+    table = ratio_table(median_rows(_rounds()))
+    assert [t["concurrency"] for t in table] == [1, 2]
+    assert table[0] == {"concurrency": 1, "plain_tokens_per_s": pytest.approx(3.0), "ngram": pytest.approx(4 / 3)}
+    assert table[1]["ngram"] == pytest.approx(1.5)
+
+
+def test_greedy_mismatches_compare_with_plain_of_the_same_round():
+    runs = _rounds() + [_run("suffix", 2, 0, 1.0, tokens=(1, 2, 3))]
+    runs[-1].traces[1].token_ids = [1, 9, 3]
+    (found,) = greedy_mismatches(runs)
+    assert (found["method"], found["concurrency"], found["request"], found["first_diff"]) == ("suffix", 2, 1, 1)
+    assert "specserve suffix, 2 in flight" in found["line"] and "at token 1" in found["line"]
+
+
+def test_prompts_by_level_gives_each_level_its_own_prompts(capsys):
+    class Tokenizer:
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            return messages[0]["content"]
+
+        def encode(self, text, add_special_tokens=True):
+            return [len(text)]
+
+    rows = [{"question_id": f"{c}{i}", "category": c, "turns": [f"{c}{i}"]} for c in "abc" for i in range(2)]
+    by_level = prompts_by_level(Tokenizer(), rows, [1, 2, 3])
+    assert {n: [p.question_id for p in ps] for n, ps in by_level.items()} == {
+        1: ["a0"], 2: ["b0", "c0"], 3: ["a1", "b1", "c1"]}  # round-robin over the categories, no repeats
+    assert "note" not in capsys.readouterr().err
+    by_level = prompts_by_level(Tokenizer(), rows, [4, 5])
+    assert [p.question_id for p in by_level[5]] == ["b1", "c1", "a0", "b0", "c0"]  # wrapped around
+    assert "prompts repeat" in capsys.readouterr().err
+
+
+def _synthetic_report(tmp_path) -> Path:
+    args = _parse(["--concurrency", "1,2", "--output-json", str(tmp_path / "load.json")])
+    prompts = {1: [BenchPrompt(0, "qa", "t", [1])], 2: [BenchPrompt(i, "qa", "t", [1]) for i in (1, 2)]}
+    report = build_report(args, {"torch": "x"}, {"ngram": {"method": "ngram"}}, prompts, _rounds())
+    text = format_report(report)
+    assert "1.33x" in text and "1.50x" in text and "greedy check: 5/5" in text
+    return write_json(args.output_json, report)
+
+
+def test_replot_redraws_the_png_from_the_json(tmp_path, capsys):
+    path = _synthetic_report(tmp_path)
+    assert main(["bench", "load", "--replot", str(path), "--plot", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert plot_load(json.loads(path.read_text()), tmp_path / "sub" / "direct.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_no_matplotlib_skips_the_plot_with_a_note(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert save_plot({}, str(tmp_path / "x.png")) is False
+    assert "matplotlib is not installed" in capsys.readouterr().out and not (tmp_path / "x.png").exists()
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def test_end_to_end_on_the_default_model(tmp_path, capsys):
+    out_json, out_png = tmp_path / "load.json", tmp_path / "load.png"
+    code = main(["bench", "load", "--dataset", DATASET, "--concurrency", "1,3", "--methods", "ngram,suffix",
+                 "--max-tokens", "8", "--output-json", str(out_json), "--plot", str(out_png)])
+    assert code == 0  # every speculative output equals plain decoding's
+    report = json.loads(out_json.read_text())
+    rows = {(r["method"], r["concurrency"]): r for r in report["results"]}
+    assert set(rows) == {(m, n) for m in (PLAIN, "ngram", "suffix") for n in (1, 3)}
+    for (method, n), row in rows.items():
+        assert row["tokens_per_s"] > 0 and row["num_output_tokens"] == 8 * n
+        assert row["num_itl_samples"] == 7 * n and 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
+    assert rows[PLAIN, 3]["vs_plain"] == pytest.approx(1.0)
+    assert [t["concurrency"] for t in report["ratio_table"]] == [1, 3]
+    assert (report["greedy_mismatches"], report["greedy_compared"]) == ([], 8)
+    ids = [p["question_id"] for n in ("1", "3") for p in report["prompts"][n]]
+    assert len(ids) == len(set(ids)) == 4  # each level its own prompts
+    assert "itl" in report["definitions"] and report["environment"]["torch"]
+    assert out_png.read_bytes().startswith(PNG_SIGNATURE)
+    out = capsys.readouterr().out
+    assert "ngram / plain" in out and "greedy check: 8/8" in out

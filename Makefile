@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(VENV)/bin/specserve generate --chat --max-tokens 128 --temperature 0 \
-		--speculative-config '{"method": "eagle3"}' \
+		--speculative-config '{"method": "auto"}' \
 		"Fix the typos and return the corrected text only: Teh quick brown fox jumsp over the lazy dog. Teh dog sleeps all day long in teh warm sun, and the fox runs arround the feild."
 
 test: $(STAMP)

@@ -19,8 +19,10 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30,
+                   help="memory for the paged KV cache, target and drafter (default: %(default)s, 1 GiB)")
     p.add_argument("--speculative-config", type=json.loads, default=None,
-                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+                   help='JSON, e.g. \'{"method": "auto"}\' (see the README for every key)')
     if not speculation_flags:
         return
     # Short flags; each overrides the same key of --speculative-config.
@@ -50,4 +52,5 @@ def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, quantization=getattr(args, "quantization", None),
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching, speculative_config=speculative_config(args))
+                enable_prefix_caching=not args.no_prefix_caching, speculative_config=speculative_config(args),
+                kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", 1 << 30))

@@ -36,12 +36,12 @@ class RequestTrace:
     """One request in one batch: when each step that brought it tokens ended (perf_counter), and how many."""
 
     prompt: BenchPrompt
-    added: float = 0.0  # perf_counter when the request was added
     times: list[float] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     num_drafts: int = 0
     num_accepted_tokens: int = 0
+    added: float = 0.0  # perf_counter when the request was added
 
     def observe(self, now: float, output) -> None:
         """Record a step's RequestOutput (its token_ids are the whole output so far)."""

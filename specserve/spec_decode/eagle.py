@@ -3,14 +3,19 @@ own one-layer paged KV in the shared drafter KV cache.
 
 Slot p of the drafter's KV holds the pair (f_p, x_{p+1}) at the target's position of token p, where f_p is
 the target's feature of token p (EAGLE: its final post-norm state; EAGLE-3: fc over three aux states).
-Every step the target's true features of every processed token (prompt chunks included, rejected tails
-dropped) are written first, so slots a draft step filled from the drafter's own outputs are overwritten
-once verified. Then, per drafting request, the last kept row gives draft 1 and k - 1 single-token steps
+The target's true features of processed tokens (rejected tails dropped) are written before a request
+drafts, so slots a draft step filled from the drafter's own outputs are overwritten once verified. Prompt
+rows are written as they are prefilled (prefix-cached blocks then carry the head's KV too); a request that
+does not draft this step keeps its decode rows aside (a copy of the target's states of those tokens) and
+writes them with its next drafting step's rows in the same pass, so skipping steps costs no head forward
+and resuming recomputes nothing the target verified. Then, per drafting request, the last kept row gives draft 1 and k - 1 single-token steps
 feed the drafter's output g back as the feature with the token just drafted, at the next positions by
 the target's rule. Greedy requests get argmax drafts; sampling requests get drafts sampled from the
 head's distribution under the request's sampling parameters, with those probabilities for verification.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +24,32 @@ from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.draw import draft_chains, draft_sampling_metadata, draw
 from specserve.spec_decode.proposer import (DraftInputs, KVCacheSpec, DrafterNeeds, Drafts, TargetInfo,
                                             TargetStates)
+
+
+# A request's deferred rows past which they are written anyway: bounds the states kept aside (EAGLE-3 keeps
+# three hidden-size rows a token) to ~256 tokens a request.
+MAX_DEFERRED_ROWS = 256
+
+
+@dataclass
+class _Rows:
+    """Consecutive processed tokens of one request, with what the head needs to write their slots."""
+
+    start: int  # token index of the first row
+    tokens: list[int]  # per row p, the token p + 1 (the head's input token at slot p)
+    positions: torch.Tensor  # [n] or [3, n]: the positions the target saw
+    hidden: torch.Tensor | None  # [n, H] the target's final states
+    aux: list[torch.Tensor] | None  # each [n, H]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    def kept(self) -> "_Rows":
+        """A copy that does not hold on to the step's tensors."""
+        return _Rows(self.start, self.tokens, self.positions.clone(),
+                     None if self.hidden is None else self.hidden.clone(),
+                     None if self.aux is None else [a.clone() for a in self.aux])
 
 
 class EagleProposer:
@@ -31,15 +62,17 @@ class EagleProposer:
             target_states=TargetStates.ALL, aux_layers=tuple(self.head.aux_layer_ids),
             kv=KVCacheSpec(1, cfg.num_key_value_heads, cfg.head_dim, self.head.dtype),
             num_lookahead_tokens=spec_config.num_speculative_tokens)
+        self.deferred: dict[str, list[_Rows]] = {}  # per request, rows not written yet (no drafting since)
 
     @torch.inference_mode()
     def propose(self, inputs: DraftInputs) -> Drafts:
         kv = inputs.drafter_kv
-        g = self._write_target_features(inputs, kv)  # [T, H]: every kept row, drafting or not
+        for rid in inputs.finished_req_ids:
+            self.deferred.pop(rid, None)
         rows = [i for i, n in enumerate(inputs.num_drafts) if n > 0]
-        if not rows or g is None:
+        g, last_row = self._write_target_features(inputs, kv, {inputs.req_ids[i] for i in rows})
+        if not rows:
             return Drafts([[] for _ in inputs.req_ids])
-        last_row = {rid: inputs.cu_num_tokens[j + 1] - 1 for j, rid in enumerate(inputs.target_req_ids)}
         outputs = {}  # row -> the head's output it drafts from next
 
         def draw_rows(live: list[int], g: torch.Tensor):
@@ -53,22 +86,50 @@ class EagleProposer:
         first = g[torch.tensor([last_row[inputs.req_ids[i]] for i in rows])]  # [len(rows), H]
         return draft_chains(inputs, rows, first, draw_rows, advance)
 
-    def _write_target_features(self, inputs: DraftInputs, kv: DrafterKVCache) -> torch.Tensor | None:
-        """One draft pass over every kept target row: slot p gets (f_p, x_{p+1}); returns g [T, H]."""
-        if not inputs.target_req_ids:
-            return None
-        tokens, query_lens, context_lens, tables = [], [], [], []
+    def _write_target_features(self, inputs: DraftInputs, kv: DrafterKVCache, drafting: set[str]
+                               ) -> tuple[torch.Tensor | None, dict[str, int]]:
+        """One head pass over the rows to write now: every drafting request's (deferred ones first), and
+        prompt rows; other requests' rows are deferred. Slot p gets (f_p, x_{p+1}). Returns g [T, H] of the
+        written rows and each written request's last row in it."""
+        num_prompt = dict(zip(inputs.req_ids, inputs.num_prompt_tokens))
+        writes = []
         for j, rid in enumerate(inputs.target_req_ids):
-            lo, hi, start = inputs.cu_num_tokens[j], inputs.cu_num_tokens[j + 1], inputs.target_start[j]
-            tokens.extend(inputs.target_token_ids[lo + 1:hi].tolist())
-            tokens.append(inputs.target_next_token_ids[j])
-            query_lens.append(hi - lo)
-            context_lens.append(start + hi - lo)
-            tables.append(inputs.block_tables[rid])
-            kv.num_valid[rid] = start + hi - lo
-        features = self.head.target_features(inputs.target_hidden_states, inputs.aux_hidden_states)
-        meta = kv.metadata(query_lens, context_lens, tables)
-        return self.head.forward(torch.tensor(tokens), features, inputs.target_positions, meta, kv.caches[0])
+            pending = self.deferred.pop(rid, [])
+            current = self._rows(inputs, j)
+            if pending and pending[-1].end != current.start:  # rescheduled after preemption: the KV is gone
+                pending = []
+            pending.append(current)
+            size = sum(len(r.tokens) for r in pending)
+            prompt_rows = current.start < num_prompt.get(rid, current.end + 1)
+            if rid in drafting or prompt_rows or size > MAX_DEFERRED_ROWS:
+                writes.append((rid, pending))
+            else:
+                self.deferred[rid] = [r.kept() for r in pending]
+        if not writes:
+            return None, {}
+        chunks = [r for _, pending in writes for r in pending]
+        query_lens = [sum(len(r.tokens) for r in pending) for _, pending in writes]
+        context_lens = [pending[0].start + n for (_, pending), n in zip(writes, query_lens)]
+        for (rid, _), end in zip(writes, context_lens):
+            kv.num_valid[rid] = end
+        hidden = None if chunks[0].hidden is None else torch.cat([r.hidden for r in chunks])
+        aux = None if chunks[0].aux is None else [torch.cat(parts) for parts in zip(*(r.aux for r in chunks))]
+        features = self.head.target_features(hidden, aux)
+        meta = kv.metadata(query_lens, context_lens, [inputs.block_tables[rid] for rid, _ in writes])
+        tokens = torch.tensor([t for r in chunks for t in r.tokens])
+        positions = torch.cat([r.positions for r in chunks], dim=-1)
+        g = self.head.forward(tokens, features, positions, meta, kv.caches[0])
+        ends = torch.tensor(query_lens).cumsum(0) - 1
+        return g, {rid: int(e) for (rid, _), e in zip(writes, ends)}
+
+    @staticmethod
+    def _rows(inputs: DraftInputs, j: int) -> _Rows:
+        """Target request j's rows of this step."""
+        lo, hi = inputs.cu_num_tokens[j], inputs.cu_num_tokens[j + 1]
+        tokens = inputs.target_token_ids[lo + 1:hi].tolist() + [inputs.target_next_token_ids[j]]
+        hidden = None if inputs.target_hidden_states is None else inputs.target_hidden_states[lo:hi]
+        aux = None if inputs.aux_hidden_states is None else [a[lo:hi] for a in inputs.aux_hidden_states]
+        return _Rows(inputs.target_start[j], tokens, inputs.target_positions[..., lo:hi], hidden, aux)
 
     def _advance(self, inputs: DraftInputs, kv: DrafterKVCache, rows: list[int], g: torch.Tensor,
                  last_tokens: list[int], step: int) -> torch.Tensor:

@@ -37,6 +37,7 @@ DECAY = 0.8  # weight of the history at each verification: adapts within a few s
 # drafter that proved good (the int8 self-draft accepts ~95% of its drafts here) is not priced out of
 # every new request by the generic prior. Seeded requests keep the fixed prior (no dependence on others).
 ENGINE_DECAY = 0.98  # weight of the history per verification in the engine-wide rate: ~50 verifications
+MEASURED_TRIALS = 10.0  # tried drafts (decayed) after which the engine-wide rate of an auto option is trusted
 PROBE_EVERY = 8  # steps without drafting before one probing draft, when a draft is cheap
 # A probe's extra cost (cost(1) - 1; for a draft model also its catch-up on the tokens since its last
 # call) is spread over the idle steps before it: a drafter whose draft costs c steps probes at most every
@@ -44,7 +45,12 @@ PROBE_EVERY = 8  # steps without drafting before one probing draft, when a draft
 # keeps PROBE_EVERY; an int8 self-draft at c ~0.5 probes every ~50 steps instead of every 8).
 PROBE_BUDGET = 0.01
 DRAFTING_EMA = 0.8  # weight of the history in the proposer's seconds per draft token
-RELAX = 0.98  # per step, an option a request is not using drifts back toward its starting rate (auto)
+RELAX = 0.98  # per step, an option a request is not using drifts toward the engine's rate for it (auto)
+# With several requests a draft must promise this much over plain decoding: a batched step's price is a fit
+# over noisy timings, and a request's share of the gain is small, so a marginal draft is as likely a loss
+# (measured at 16 requests in flight: prompt lookup drafting in 14% of steps ran at 0.91-0.97x plain).
+BATCH_MIN_GAIN = 1.05
+CALIBRATE_EVERY = 8  # a plain step this often while batched steps are all alike in size
 MAX_PROBE_COST = 0.5  # no probing when one draft costs this much of a step share (a busy, compute-bound batch)
 
 
@@ -52,7 +58,6 @@ MAX_PROBE_COST = 0.5  # no probing when one draft costs this much of a step shar
 class AcceptanceStats:
     accepted: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
     trials: float = PRIOR_WEIGHT
-    idle_steps: int = 0
 
     @property
     def rate(self) -> float:
@@ -122,20 +127,26 @@ class StepCosts:
 
 class LinearStepFit:
     """seconds = fixed + per_token * tokens over recent multi-request steps (exponentially weighted least
-    squares). The last fit made with enough spread in tokens is kept while steps stop varying (as they do
-    once drafting has stopped)."""
+    squares). While steps stop varying in size (as they do once drafting has stopped) the last slope made
+    with enough spread is kept and the fixed part follows the recent steps."""
 
     DECAY = 0.97  # weight of the history per step: about the last 30 steps count
     MIN_WEIGHT = 8.0
     MIN_SPREAD = 1.5  # standard deviation of the step sizes, in tokens, needed to trust a slope
 
-    def __init__(self) -> None:
+    def __init__(self, row_cost: float = DEFAULT_COST_PER_DRAFT) -> None:
         self.sums = [0.0] * 5  # weight, tokens, seconds, tokens^2, tokens * seconds
         self.fit: tuple[float, float] | None = None  # (fixed, per_token)
+        # Before a fit: steps are taken as fixed * (1 + row_cost * tokens) (a row's share of a one-token
+        # step, the batch-1 prior) and `fixed` follows the steps seen.
+        self.row_cost = row_cost
+        self.fixed_guess: float | None = None
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         x, y = float(num_tokens), seconds
         self.sums = [s * self.DECAY + v for s, v in zip(self.sums, (1.0, x, y, x * x, x * y))]
+        fixed = y / (1.0 + self.row_cost * x)
+        self.fixed_guess = fixed if self.fixed_guess is None else 0.8 * self.fixed_guess + 0.2 * fixed
         w, sx, sy, sxx, sxy = self.sums
         if w < self.MIN_WEIGHT:
             return
@@ -144,14 +155,22 @@ class LinearStepFit:
         if var_x >= self.MIN_SPREAD ** 2:
             per_token = max((sxy / w - mean_x * mean_y) / var_x, 0.0)
             self.fit = (max(mean_y - per_token * mean_x, 0.0), per_token)
+        elif self.fit is not None:  # the last slope, through the recent steps: a host that turns busy or quiet
+            per_token = self.fit[1]  # moves the fixed part, and with it the price of a draft
+            self.fit = (max(mean_y - per_token * mean_x, 0.0), per_token)
+
+    def lacks_spread(self) -> bool:
+        """Whether recent steps varied too little in size to fit a slope (all requests drafting alike)."""
+        w, sx, _, sxx, _ = self.sums
+        return w == 0 or sxx / w - (sx / w) ** 2 < self.MIN_SPREAD ** 2
 
     def share(self, num_requests: int) -> float | None:
         """Seconds of one request's share of a plain step (one token each) of num_requests requests; before
-        a fit, the mean seconds per token of the steps seen (a lower bound: it spreads the fixed cost over
-        drafts too), so a drafter's own time is priced from the first steps."""
+        a fit, from the prior shape of a step, so a drafter's own time is priced from the first steps."""
         if self.fit is None:
-            w, sx, sy = self.sums[:3]
-            return sy / sx if w and sx else None
+            if self.fixed_guess is None:
+                return None
+            return self.fixed_guess * (1.0 + self.row_cost * num_requests) / max(num_requests, 1)
         fixed, per_token = self.fit
         share = (fixed + per_token * num_requests) / max(num_requests, 1)
         return share if share > 0 else None
@@ -193,6 +212,7 @@ class DraftPolicy:
         self.batch_fit = LinearStepFit()  # steps of several requests
         self.num_running = 0  # requests in the last step
         self.draft_seconds: list[float | None] = [None] * len(self.options)  # per option, per draft token
+        self.step_index = 0
 
     # ---- measurements --------------------------------------------------------------------
     def observe_step(self, num_requests: int, num_tokens: int, seconds: float) -> None:
@@ -221,6 +241,13 @@ class DraftPolicy:
         self.idle_steps.pop(req_id, None)
 
     # ---- decisions -----------------------------------------------------------------------
+    def drafts_this_step(self, num_requests: int) -> bool:
+        """False for a plain calibration step: every CALIBRATE_EVERY-th step of several requests while the
+        recent steps are too alike in size to price a draft token (the plain step gives the other point)."""
+        self.step_index += 1
+        return not (self.adaptive and num_requests > 1 and self.step_index % CALIBRATE_EVERY == 0
+                    and self.batch_fit.lacks_spread())
+
     def plan(self, req_id: str, max_k: int, seeded: bool = False) -> list[tuple[int, int]]:
         """[(option, number of drafts)] for this step, best first; [] to decode plainly.
 
@@ -235,16 +262,18 @@ class DraftPolicy:
         verify = (lambda k: 1.0 + self.cost_per_draft * k) if seeded else self._verify_cost()
         costs = [self._option_cost(i, verify, seeded) for i in range(len(self.options))]
         scored = []
+        least = 1.0 if seeded or self.num_running <= 1 else BATCH_MIN_GAIN
         for i, cap in enumerate(caps):
             k = best_num_drafts_for(stats[i].rate, cap, costs[i]) if cap > 0 else 0
-            if k > 0:
-                scored.append((expected_tokens(stats[i].rate, k) / costs[i](k), i, k))
+            score = expected_tokens(stats[i].rate, k) / costs[i](k)
+            if k > 0 and score >= least:
+                scored.append((score, i, k))
         scored.sort(key=lambda s: -s[0])  # stable: ties keep the options' order
         if len(self.options) > 1:
             used = scored[0][1] if scored else -1
             for i, s in enumerate(stats):
-                if i != used:
-                    s.relax(self._start_rate(i, seeded))
+                if i != used:  # toward what the option does for other requests lately
+                    s.relax(PRIOR_ACCEPTANCE if seeded else self.engine_stats[i].rate)
         if scored:
             self.idle_steps[req_id] = 0
             return [(i, k) for _, i, k in scored]
@@ -277,8 +306,16 @@ class DraftPolicy:
         return stats
 
     def _start_rate(self, option: int, seeded: bool) -> float:
-        """A new request starts from the engine's own recent acceptance when that beats the prior."""
-        return PRIOR_ACCEPTANCE if seeded else max(PRIOR_ACCEPTANCE, self.engine_stats[option].rate)
+        """A new request starts from the engine's own recent acceptance when that beats the prior. Among
+        several options it starts from the engine's rate for each once that is measured: an optimistic
+        start would have every new request try the lookups (often accepted ~30% here) before the drafter
+        that is accepted ~95%."""
+        if seeded:
+            return PRIOR_ACCEPTANCE
+        engine = self.engine_stats[option]
+        if len(self.options) > 1 and engine.trials >= MEASURED_TRIALS:
+            return engine.rate
+        return max(PRIOR_ACCEPTANCE, engine.rate)
 
     def _drafting_cost(self, option: int, plain_seconds: float | None) -> float:
         """Proposer time per draft token relative to a request's plain step (the prior until measured)."""
@@ -290,10 +327,12 @@ class DraftPolicy:
     def _verify_cost(self) -> Callable[[int], float]:
         """cost(k) of verifying k drafts for one request of the current step, in plain steps, measured
         where possible."""
-        if self.num_running == 1:
+        if self.num_running <= 1:
             return self.step_costs.relative
         per_draft = self.batch_fit.draft_cost(self.num_running)
-        per_draft = self.cost_per_draft if per_draft is None else per_draft
+        if per_draft is None:  # before a fit: a token's share of a one-request step, scaled to this batch
+            row = self.step_costs.relative(1) - 1.0  # seconds of a row over a one-token step's (its fixed part)
+            per_draft = self.num_running * row / (1.0 + self.num_running * row)
         return lambda k: 1.0 + per_draft * k
 
     def _option_cost(self, option: int, verify: Callable[[int], float], seeded: bool) -> Callable[[int], float]:

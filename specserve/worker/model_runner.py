@@ -291,7 +291,10 @@ class ModelRunner:
         """Drafts for the next step, per request (None when speculation is off)."""
         if self.proposer is None:
             return None
-        plans = [self._draft_plan(self.requests[rid]) for rid in batch.sample_req_ids]
+        calibrating = not self.draft_policy.drafts_this_step(len(batch.req_ids))
+        states = [self.requests[rid] for rid in batch.sample_req_ids]
+        # a plain calibration step leaves seeded requests alone: their drafts depend on their own history only
+        plans = [[] if calibrating and s.generator is None else self._draft_plan(s) for s in states]
         if not any(plans) and self.proposer.needs.target_states is not TargetStates.ALL:
             return {}  # nothing pays: no drafting work (a drafter that keeps state catches up when it next drafts)
         inputs = self._build_draft_inputs(batch, sampled, hidden, aux, plans)

@@ -80,9 +80,10 @@ def test_percentile_interpolates_between_ranks():
     assert math.isnan(percentile([], 50))
 
 
-def _trace(times, counts, tokens=None, qid=0, drafts=0, accepted=0) -> RequestTrace:
+def _trace(times, counts, tokens=None, qid=0, drafts=0, accepted=0, added=10.0) -> RequestTrace:
     tokens = list(range(sum(counts))) if tokens is None else tokens
-    return RequestTrace(BenchPrompt(qid, "qa", "t", [1, 2]), list(times), list(counts), tokens, drafts, accepted)
+    return RequestTrace(BenchPrompt(qid, "qa", "t", [1, 2]), list(times), list(counts), tokens, drafts, accepted,
+                        added)
 
 
 def test_summarize_run():
@@ -97,7 +98,7 @@ def test_summarize_run():
     assert (row["itl_p50_ms"], row["itl_p99_ms"]) == (pytest.approx(150.0), pytest.approx(200.0))
     assert row["acceptance_length"] == pytest.approx(1.5)  # 1 + 1 accepted / 2 drafts
     assert row["drafted_step_share"] == pytest.approx(2 / 3)  # 2 drafted of 3 steps after a first token
-    plain = summarize_run(BatchRun(PLAIN, 1, 0, 0.0, 2, [_trace([0.1, 0.2], [1, 1])]))
+    plain = summarize_run(BatchRun(PLAIN, 1, 0, 0.0, 2, [_trace([0.1, 0.2], [1, 1], added=0.0)]))
     assert plain["acceptance_length"] is None and plain["drafted_step_share"] is None
 
 
@@ -179,6 +180,7 @@ def test_no_matplotlib_skips_the_plot_with_a_note(tmp_path, monkeypatch, capsys)
 
 
 def test_end_to_end_on_the_default_model(tmp_path, capsys):
+    """N in flight, two requests per slot: 2N requests per level, each level its own prompts."""
     out_json, out_png = tmp_path / "load.json", tmp_path / "load.png"
     code = main(["bench", "load", "--dataset", DATASET, "--concurrency", "1,3", "--methods", "ngram,suffix",
                  "--max-tokens", "8", "--output-json", str(out_json), "--plot", str(out_png)])
@@ -187,14 +189,51 @@ def test_end_to_end_on_the_default_model(tmp_path, capsys):
     rows = {(r["method"], r["concurrency"]): r for r in report["results"]}
     assert set(rows) == {(m, n) for m in (PLAIN, "ngram", "suffix") for n in (1, 3)}
     for (method, n), row in rows.items():
-        assert row["tokens_per_s"] > 0 and row["num_output_tokens"] == 8 * n
-        assert row["num_itl_samples"] == 7 * n and 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
+        assert row["tokens_per_s"] > 0 and row["num_output_tokens"] == 8 * 2 * n
+        assert row["num_itl_samples"] == 7 * 2 * n and 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
     assert rows[PLAIN, 3]["vs_plain"] == pytest.approx(1.0)
     assert [t["concurrency"] for t in report["ratio_table"]] == [1, 3]
-    assert (report["greedy_mismatches"], report["greedy_compared"]) == ([], 8)
+    assert (report["greedy_mismatches"], report["greedy_compared"]) == ([], 16)
     ids = [p["question_id"] for n in ("1", "3") for p in report["prompts"][n]]
-    assert len(ids) == len(set(ids)) == 4  # each level its own prompts
+    assert len(ids) == len(set(ids)) == 8  # each level its own prompts
     assert "itl" in report["definitions"] and report["environment"]["torch"]
     assert out_png.read_bytes().startswith(PNG_SIGNATURE)
     out = capsys.readouterr().out
-    assert "ngram / plain" in out and "greedy check: 8/8" in out
+    assert "ngram / plain" in out and "greedy check: 16/16" in out
+
+
+def test_run_batch_keeps_n_requests_in_flight_until_all_are_done():
+    """A fake engine that gives each request one token a step for three steps: with 6 prompts at
+    concurrency 2, never more than 2 run at once, and a finished one is replaced right away."""
+    from types import SimpleNamespace
+
+    from specserve.bench.load import run_batch
+
+    class FakeEngine:
+        def __init__(self):
+            self.running, self.peak, self.kv_cache_manager = {}, 0, SimpleNamespace(reset_prefix_cache=lambda: None)
+
+        def add_request(self, request_id, prompt, params):
+            self.running[request_id] = []
+            self.peak = max(self.peak, len(self.running))
+
+        def has_unfinished_requests(self):
+            return bool(self.running)
+
+        def step(self):
+            outs = []
+            for rid, tokens in list(self.running.items()):
+                tokens.append(7)
+                done = len(tokens) == 3
+                outs.append(SimpleNamespace(request_id=rid, error=None, finished=done,
+                                            outputs=[SimpleNamespace(token_ids=list(tokens))],
+                                            metrics=SimpleNamespace(num_drafts=0, num_accepted_tokens=0)))
+                if done:
+                    del self.running[rid]
+            return outs
+
+    engine = FakeEngine()
+    prompts = [BenchPrompt(i, "qa", "t", [1, 2]) for i in range(6)]
+    run = run_batch(SimpleNamespace(llm_engine=engine), "plain", prompts, 3, "t", concurrency=2)
+    assert engine.peak == 2 and run.num_steps == 9  # three rounds of two
+    assert all(len(t.token_ids) == 3 for t in run.traces) and run.concurrency == 2

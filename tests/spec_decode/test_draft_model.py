@@ -61,3 +61,64 @@ def test_a_self_draft_works_in_the_targets_kv_cache(default_gguf_path):
     assert max(fed) == 1  # one token per forward: the prompt was never fed to the drafter
     assert out.metrics.num_drafts > 3 and out.metrics.mean_acceptance_length > 2
     assert out.outputs[0].token_ids == plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_draft_model_that_skips_steps_catches_up_and_drafts_as_from_scratch(tmp_path):
+    """A draft model with its own KV, drafting one step in three (as the pricing does when drafts do not
+    pay): nothing runs in the steps between, and when it drafts again it feeds the tokens it missed in one
+    forward, so every draft equals the draft model's greedy continuation of the whole history computed
+    from scratch by transformers."""
+    from tests.tiny_models import save_hf_folder
+
+    target = save_hf_folder(tiny_hf_model("llama", seed=1), tmp_path / "target")
+    draft_hf = tiny_hf_model("llama", seed=2, num_hidden_layers=1)
+    draft = save_hf_folder(draft_hf, tmp_path / "draft")
+    engine = dict(max_model_len=128, block_size=8, max_num_batched_tokens=32)
+    llm = LLM(model=target, speculative_config={"method": "draft_model", "model": draft,
+                                                "num_speculative_tokens": 3}, **engine)
+    runner = llm.llm_engine.runner
+    counts: dict[str, int] = {}
+
+    def every_third_step(req_id, max_k, seeded=False):
+        counts[req_id] = counts.get(req_id, 0) + 1
+        return [(0, min(3, max_k))] if counts[req_id] % 3 == 0 and max_k > 0 else []
+
+    runner.draft_policy.plan = every_third_step
+    calls, behind, seen = [], [], set()
+    propose = runner.proposer.propose
+
+    def counted(inputs):  # how far each request that drafted before is behind when it drafts again
+        calls.append(inputs)
+        for rid, history, n in zip(inputs.req_ids, inputs.token_ids, inputs.num_drafts):
+            if n and rid in seen:
+                behind.append(len(history) - inputs.drafter_kv.num_valid[rid])
+            seen.add(rid) if n else None
+        return propose(inputs)
+
+    runner.proposer.propose = counted
+    drafts_made = []
+    capture = runner.propose_draft_token_ids
+
+    def recorded(batch, sampled, hidden, aux):
+        out = capture(batch, sampled, hidden, aux)
+        for rid in batch.sample_req_ids:
+            if out and out.get(rid):
+                drafts_made.append((list(runner.requests[rid].token_ids), out[rid]))
+        return out
+
+    runner.propose_draft_token_ids = recorded
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 150, (n,), generator=g).tolist()} for n in (7, 20, 13)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    plain = LLM(model=target, **engine).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert all(any(c.num_drafts) for c in calls)  # the proposer was called only when a request drafted
+    assert behind and min(behind) >= 3  # two skipped steps' tokens and this one's, fed in one catch-up
+    assert len(drafts_made) > 8
+    for history, drafts in drafts_made:
+        expected = list(history)
+        with torch.no_grad():
+            for _ in drafts:
+                expected.append(int(draft_hf(torch.tensor([expected])).logits[0, -1].argmax()))
+        assert drafts == expected[len(history):], f"{len(history)} tokens"

@@ -357,15 +357,18 @@ class DraftRun:
 
 
 def run_drafter(target: Target, written: WrittenDrafter, patch: Layout | None = None,
-                transform: Callable | None = None, **engine) -> DraftRun:
+                transform: Callable | None = None, setup: Callable | None = None, **engine) -> DraftRun:
     """target's prompts through an LLM drafting with `written` (TIGHT, updated by `engine`); `patch` replaces
-    the runner's position layout, `transform` alters each DraftInputs before the proposer sees it."""
+    the runner's position layout, `transform` alters each DraftInputs before the proposer sees it, `setup`
+    may change the LLM before it runs."""
     llm = LLM(model=target.folder, speculative_config={"method": written.family, "model": written.folder,
                                                        "num_speculative_tokens": K, "adaptive_draft_length": False},
               **{**TIGHT, **engine})
     runner = llm.llm_engine.runner
     if patch is not None:
         runner._layout_positions = patch
+    if setup is not None:
+        setup(llm)
     steps, execute, chunks = capture_drafts(llm, transform), runner.execute_model, []
 
     def counted(sched):
@@ -461,6 +464,35 @@ def test_requests_sharing_a_prompt_prefix_draft_as_the_reference(prefix_caching,
     assert (result.llm.get_metrics().prefix_cache_hits > 0) == prefix_caching
     reference = EagleReference(llama.hf, written, target.sequences(), text_positions, text_positions)
     assert assert_drafts_match(result.steps, reference) > 20
+
+
+@pytest.mark.parametrize("case", ["eagle-counting", "eagle3-official"])
+def test_a_request_that_skips_drafting_resumes_as_the_reference(case, llama, tmp_path):
+    """Drafting off for two steps in three, per request (as the pricing does when a draft would not pay):
+    the head runs no forward for those steps' decode rows, keeps them aside and writes them with the next
+    drafting step's rows, and every draft after resuming equals the from-scratch reference."""
+    written = write_drafter(case, str(tmp_path), llama.hf)
+    counts: dict[str, int] = {}
+
+    def every_third_step(req_id, max_k, seeded=False):
+        counts[req_id] = counts.get(req_id, 0) + 1
+        return [(0, min(K, max_k))] if counts[req_id] % 3 == 0 and max_k > 0 else []
+
+    forwards = []
+
+    def patch(llm):
+        llm.llm_engine.runner.draft_policy.plan = every_third_step
+        head = llm.llm_engine.runner.proposer.head
+        forward = head.forward
+        head.forward = lambda *a, **k: (forwards.append(len(a[0])), forward(*a, **k))[1]
+
+    result = run_drafter(llama, written, setup=patch)
+    assert result.outputs == llama.plain
+    idle = [s for s in result.steps if not any(s.num_drafts) and not s.num_partial_chunks]
+    assert len(idle) > 10  # steps in which no request drafted and no prompt was prefilled...
+    assert max(forwards) > 1  # ...and a resuming request wrote its kept rows with the new ones in one pass
+    reference = EagleReference(llama.hf, written, llama.sequences(), text_positions, text_positions)
+    assert assert_drafts_match(result.steps, reference) > 10
 
 
 # ---------------------------------------------------------------- 3. M-RoPE positions reach the drafter

@@ -168,3 +168,29 @@ def test_the_proposers_own_time_is_part_of_a_drafts_cost():
     assert batched.num_drafts("r", 8) > 0
     batched.observe_drafting(8, 8 * 0.006)  # each draft token costs more than a request's share of a step
     assert batched.num_drafts("r", 8) == 0
+
+
+def test_a_batched_draft_must_promise_a_clear_gain():
+    """At 16 requests a draft whose expected gain is within the fit's noise (1.03x) is not made; one
+    request with the same rate and relative cost drafts."""
+    from specserve.spec_decode.policy import BATCH_MIN_GAIN, DraftOption, expected_tokens
+
+    def policy_at(num_requests, per_draft):
+        policy = DraftPolicy((DraftOption("x", 1),))
+        policy.num_running = num_requests
+        policy._verify_cost = lambda: (lambda k: 1.0 + per_draft * k)
+        for _ in range(20):
+            policy.record("r", 1, 1)
+            policy.record("r", 1, 0)  # half accepted
+        return policy
+
+    rate = policy_at(16, 0.0).stats["r"][0].rate
+    per_draft = expected_tokens(rate, 1) / 1.03 - 1.0  # a score of 1.03 at k = 1
+    assert 1.0 < 1.03 < BATCH_MIN_GAIN
+    assert policy_at(16, per_draft).num_drafts("r", 1) == 0
+    single = DraftPolicy((DraftOption("x", 1),))
+    single._verify_cost = lambda: (lambda k: 1.0 + per_draft * k)
+    for _ in range(20):
+        single.record("r", 1, 1)
+        single.record("r", 1, 0)
+    assert single.num_drafts("r", 1) == 1

@@ -17,7 +17,7 @@ from specserve.bench.common import (
 from specserve.models.loader import default_model_path
 
 DEFAULT_OUTPUT = "bench_results/latency.json"
-DEFAULT_METHODS = "ngram,suffix,draft_model"
+DEFAULT_METHODS = "ngram,suffix,draft_model,auto"
 # num_speculative_tokens per method when --num-speculative-tokens is not given; the adaptive policy drafts
 # fewer when they do not pay. Here a step over 1 + k tokens costs ~1 + 0.02-0.03k one-token steps at ~1k
 # tokens of context, and an int8 self-draft ~0.5 of a step per draft token. ngram's k is 8: replaying plain

@@ -25,7 +25,7 @@ def _parse(extra: list[str]):
 def test_cli_defaults():
     args = _parse([])
     assert args.func is cmd_latency
-    assert (args.prompts_per_category, args.max_tokens, args.methods, args.categories) == (4, 128, "ngram,suffix,draft_model", None)
+    assert (args.prompts_per_category, args.max_tokens, args.methods, args.categories) == (4, 128, "ngram,suffix,draft_model,auto", None)
     assert args.output_json == "bench_results/latency.json" and not args.skip_hf and args.max_num_seqs == 1
     check_args(args)
     configs = spec_configs(args)

@@ -18,8 +18,13 @@ With several requests the step is fitted as fixed + per_token * tokens over rece
 costs per_token against the request's share of a plain step, (fixed + per_token * requests) / requests. At
 one request the weights' memory traffic (fixed) dominates and drafts are cheap; at 32 requests the step
 is mostly compute-bound, a draft costs about half a request's share (fitted), and only requests that
-accept a lot keep drafting. Measured on 32 requests of 128 tokens: ngram took 14.6 s against 11.0 s for
-plain decoding with the batch-1 prior, 12.2-13.1 s against 11.0-11.3 s with this pricing.
+accept a lot keep drafting. Before a fit the batch-1 prior is scaled to the batch (a row's share of a
+one-token step, r, gives N r / (1 + N r) per draft at N requests), and every 8th step decodes plainly
+while the steps are too alike in size to fit (or, at one request, until a one-token step is timed). With
+several requests a draft must promise BATCH_MIN_GAIN over plain decoding.
+
+A request's expected tokens use the number of drafts it usually gets (a lookup often finds fewer than it
+is asked for), and when no request's draft pays, the runner does no drafting work at all.
 """
 from __future__ import annotations
 
@@ -58,6 +63,7 @@ MAX_PROBE_COST = 0.5  # no probing when one draft costs this much of a step shar
 class AcceptanceStats:
     accepted: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
     trials: float = PRIOR_WEIGHT
+    proposed: float | None = None  # drafts a round as proposed (a lookup often finds fewer than asked)
 
     @property
     def rate(self) -> float:
@@ -68,6 +74,11 @@ class AcceptanceStats:
         tried = min(num_accepted + 1, num_drafts)
         self.accepted = self.accepted * decay + num_accepted
         self.trials = self.trials * decay + tried
+        self.proposed = num_drafts if self.proposed is None else decay * self.proposed + (1 - decay) * num_drafts
+
+    def usual_length(self, k: int) -> int:
+        """How many of k asked-for drafts a round is likely to bring (k until a round was seen)."""
+        return k if self.proposed is None else max(1, min(k, round(self.proposed)))
 
     def relax(self, rate: float, keep: float = RELAX) -> None:
         """Move the rate a step toward `rate` (an option not in use is tried again in time)."""
@@ -242,11 +253,15 @@ class DraftPolicy:
 
     # ---- decisions -----------------------------------------------------------------------
     def drafts_this_step(self, num_requests: int) -> bool:
-        """False for a plain calibration step: every CALIBRATE_EVERY-th step of several requests while the
-        recent steps are too alike in size to price a draft token (the plain step gives the other point)."""
+        """False for a plain calibration step, every CALIBRATE_EVERY-th step while a draft cannot be priced
+        from measurements: one request with no timed one-token step yet, or several whose recent steps are
+        too alike in size for the fit (the plain step gives the other point)."""
         self.step_index += 1
-        return not (self.adaptive and num_requests > 1 and self.step_index % CALIBRATE_EVERY == 0
-                    and self.batch_fit.lacks_spread())
+        if not self.adaptive or self.step_index % CALIBRATE_EVERY:
+            return True
+        if num_requests == 1:  # one request that always drafts never times a one-token step
+            return self.step_costs.samples.get(1, 0) >= StepCosts.MIN_SAMPLES
+        return not self.batch_fit.lacks_spread()
 
     def plan(self, req_id: str, max_k: int, seeded: bool = False) -> list[tuple[int, int]]:
         """[(option, number of drafts)] for this step, best first; [] to decode plainly.
@@ -265,7 +280,8 @@ class DraftPolicy:
         least = 1.0 if seeded or self.num_running <= 1 else BATCH_MIN_GAIN
         for i, cap in enumerate(caps):
             k = best_num_drafts_for(stats[i].rate, cap, costs[i]) if cap > 0 else 0
-            score = expected_tokens(stats[i].rate, k) / costs[i](k)
+            length = stats[i].usual_length(k)  # priced as the drafts it usually brings, not the k asked
+            score = expected_tokens(stats[i].rate, length) / costs[i](length)
             if k > 0 and score >= least:
                 scored.append((score, i, k))
         scored.sort(key=lambda s: -s[0])  # stable: ties keep the options' order

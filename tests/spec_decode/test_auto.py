@@ -38,8 +38,8 @@ class Oracle:
 
     needs = DrafterNeeds()
 
-    def __init__(self, sequences: list[list[int]], right=lambda index: True) -> None:
-        self.sequences, self.right = sequences, right
+    def __init__(self, sequences: list[list[int]], right=lambda index: True, vary: bool = False) -> None:
+        self.sequences, self.right, self.vary = sequences, right, vary  # vary: draft lengths vary by step
         self.calls = 0
 
     def propose(self, inputs: DraftInputs) -> Drafts:
@@ -47,7 +47,8 @@ class Oracle:
         drafts = []
         for history, n in zip(inputs.token_ids, inputs.num_drafts):
             (seq,) = [s for s in self.sequences if s[: len(history)] == history]
-            true = seq[len(history): len(history) + max(1, len(history) % (n + 1))]  # lengths vary
+            length = max(1, len(history) % (n + 1)) if self.vary else n
+            true = seq[len(history): len(history) + length]
             drafts.append([t if self.right(len(history) + j) else (t + 1) % VOCAB for j, t in enumerate(true)])
         return Drafts(drafts)
 
@@ -77,7 +78,7 @@ def test_pricing_turns_drafting_off_when_a_step_costs_more_than_it_returns_and_b
     llm = LLM(model=folder, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **ENGINE)
     runner = llm.llm_engine.runner
     oracle = Oracle([p["prompt_token_ids"] + out for p, out in zip(prompts, plain)],
-                    right=lambda index: (index * 2654435761) % 7 < 4)  # ~57% of draft tokens right
+                    right=lambda index: (index * 2654435761) % 7 < 4, vary=True)  # ~57% of draft tokens right
     runner.proposer = oracle
     costs = StepCostModel(runner)
     phase_of_call: list[int] = []
@@ -137,7 +138,7 @@ def test_auto_switches_drafter_per_request_when_one_stops_being_accepted(target)
                     drafts.token_ids[i] = [(t + 1) % VOCAB for t in drafts.token_ids[i]]
             return drafts
 
-    llm = auto_llm(folder)
+    llm = auto_llm(folder, num_speculative_tokens=4)  # both options asked for the same number of drafts
     proposer = llm.llm_engine.runner.proposer
     assert isinstance(proposer, AutoProposer) and [o.name for o in proposer.needs.options] == ["suffix", "ngram"]
     proposer.proposers = [TurnsWrong(sequences), Oracle(sequences)]
@@ -159,7 +160,7 @@ def test_auto_switches_drafter_per_request_when_one_stops_being_accepted(target)
     before = [src for n, src in switched if n < turns]
     after = [src for n, src in switched if n >= turns]
     assert before and set(before) == {0}
-    assert after[-1] == 1 and after.count(0) <= 5 < after.count(1)  # a few rejections, then the second
+    assert after[-1] == 1 and after.count(0) <= 8 < after.count(1)  # a few rejections and retries, then the second
     for i in (0, 2, 3):  # the first is still right for the others: they keep using it (both are perfect there)
         used = [src for _, src in sources[rids[i]]]
         assert used.count(0) > 0.5 * len(used)

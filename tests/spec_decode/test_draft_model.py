@@ -92,7 +92,8 @@ def test_a_draft_model_that_skips_steps_catches_up_and_drafts_as_from_scratch(tm
         for rid, history, n in zip(inputs.req_ids, inputs.token_ids, inputs.num_drafts):
             if n and rid in seen:
                 behind.append(len(history) - inputs.drafter_kv.num_valid[rid])
-            seen.add(rid) if n else None
+            if n:
+                seen.add(rid)
         return propose(inputs)
 
     runner.proposer.propose = counted

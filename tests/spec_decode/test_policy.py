@@ -194,3 +194,29 @@ def test_a_batched_draft_must_promise_a_clear_gain():
         single.record("r", 1, 1)
         single.record("r", 1, 0)
     assert single.num_drafts("r", 1) == 1
+
+
+def test_an_option_is_priced_at_the_drafts_it_usually_brings():
+    """Two drafters accepted alike per position: one usually finds a single token (a lookup with short
+    matches), the other brings the four asked for; the second ranks first."""
+    from specserve.spec_decode.policy import DraftOption
+
+    policy = DraftPolicy((DraftOption("short", 4), DraftOption("full", 4)))
+    for _ in range(10):
+        policy.record("r", 1, 1, option=0)  # one proposed, accepted
+        policy.record("r", 4, 4, option=1)  # four proposed, accepted
+    assert policy.stats["r"][0].usual_length(4) == 1 and policy.stats["r"][1].usual_length(4) == 4
+    assert [option for option, _ in policy.plan("r", 4)] == [1, 0]
+
+
+def test_one_request_that_always_drafts_gets_plain_steps_until_a_one_token_step_is_timed():
+    from specserve.spec_decode.policy import CALIBRATE_EVERY
+
+    policy = DraftPolicy()
+    plain_steps = []
+    for step in range(1, 8 * CALIBRATE_EVERY + 1):
+        if not policy.drafts_this_step(1):
+            plain_steps.append(step)
+            policy.observe_step(1, 1, 0.02)  # the plain step is timed
+    # the first one-token step of a size is not counted: four calibration steps give three samples
+    assert plain_steps == [CALIBRATE_EVERY * j for j in range(1, 5)]

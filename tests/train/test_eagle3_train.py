@@ -232,7 +232,9 @@ def test_saved_head_drafts_in_the_engine_with_greedy_output(target, trained, tmp
     engine = dict(max_model_len=128, block_size=8, max_num_seqs=4)
     plain = [o.outputs[0].token_ids for o in LLM(model=folder, **engine).generate(prompts, params, use_tqdm=False)]
     llm = LLM(model=folder, speculative_config={"method": "eagle3", "model": trained["folder"],
-                                                "num_speculative_tokens": 3}, **engine)
+                                                "num_speculative_tokens": 3,
+                                                # a fixed draft length: this checks the head, not the pricing
+                                                "adaptive_draft_length": False}, **engine)
     drafted = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     m = llm.get_metrics()
     print(f"accepted {m.num_accepted_tokens} of {m.num_draft_tokens} drafts, {m.num_drafts} rounds")

@@ -214,9 +214,11 @@ def engine_target(hf, tmp_path_factory):
 
 
 def drafting(target_folder: str, method: str, head_folder: str, prompts: list[dict]):
-    """(greedy tokens, engine metrics) with the head drafting K tokens a step."""
+    """(greedy tokens, engine metrics) with the head drafting K tokens every step (a fixed draft length:
+    this compares heads, not the pricing)."""
     llm = LLM(model=target_folder, speculative_config={"method": method, "model": head_folder,
-                                                       "num_speculative_tokens": K}, **ENGINE)
+                                                       "num_speculative_tokens": K,
+                                                       "adaptive_draft_length": False}, **ENGINE)
     outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs], llm.get_metrics()
 

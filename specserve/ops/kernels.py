@@ -122,7 +122,6 @@ def _bind(lib):
         "gemm_packed_f32": ([ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "gemm_packed_i8": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "argmax_rows_f32": ([ptr, i64, i64, ptr], None),
-        "copy_kv_rows_f32": ([ptr, ptr, i64, ptr, ptr, i64, i64, i64], None),
         "lm_head_argmax_f32": ([ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr], ctypes.c_int),
         "ngram_match_i64": ([ptr, i64, i64, i64, i64], ctypes.c_int64),
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
@@ -365,22 +364,6 @@ class TensorKeyed:
                 a is not b for a, b in zip(tensors, self._tensors)):
             self._tensors, self._value = tensors, self._build(tensors)
         return self._value
-
-
-def pointer_array(tensors: list[torch.Tensor]):
-    """A ctypes array of the tensors' data pointers (the caller keeps the tensors alive)."""
-    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
-
-
-def copy_kv_rows(dst, src, dst_rows: torch.Tensor, src_rows: torch.Tensor, row_floats: int, block_size: int) -> None:
-    """Slots dst_rows[i] of every layer's key and value caches = slots src_rows[i] of the source's: dst, src
-    are pointer_array's of fp32 caches, keys and values alternating (attention.kv_caches' layouts), a slot
-    holding row_floats floats (num_kv_heads * head_dim); rows: [n] int64."""
-    _check(torch.int64, dst_rows=dst_rows, src_rows=src_rows)
-    if len(dst) != len(src) or len(dst) % 2 or dst_rows.shape != src_rows.shape:
-        raise ValueError("copy_kv_rows: as many (key, value) source caches and rows as destinations")
-    _lib().copy_kv_rows_f32(dst, src, len(dst) // 2, dst_rows.data_ptr(), src_rows.data_ptr(), dst_rows.shape[0],
-                            row_floats, block_size)
 
 
 def ngram_match(tokens, min_n: int, max_n: int, prefer_end: int = -1) -> int:

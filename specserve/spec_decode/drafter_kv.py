@@ -8,10 +8,7 @@ and prefix-cached blocks carry the drafter's KV of the same tokens along with th
 """
 from __future__ import annotations
 
-import torch
-
-from specserve.ops.attention import AttentionMetadata, kv_caches, paged_metadata, slot_ids
-from specserve.ops import kernels
+from specserve.ops.attention import AttentionMetadata, kv_caches, paged_metadata
 from specserve.ops.kernels import kernel_usable
 from specserve.spec_decode.proposer import KVCacheSpec
 
@@ -26,7 +23,6 @@ class DrafterKVCache:
         # Per request: tokens [0, n) whose drafter KV is in place. A request (re)scheduled from scratch
         # starts at its target's num_computed_tokens: prefix-cache hits come with the drafter's KV.
         self.num_valid: dict[str, int] = {}
-        self._pointers = kernels.TensorKeyed(self._pointer_arrays)  # for copy_from, keyed by the source
 
     def start(self, req_id: str, num_computed_tokens: int) -> None:
         """A request new to the runner, or resumed after preemption (its old blocks are gone)."""
@@ -35,29 +31,7 @@ class DrafterKVCache:
     def forget(self, req_id: str) -> None:
         self.num_valid.pop(req_id, None)
 
-    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        """Slots of token indices [start, end) (the target's slots for the same tokens)."""
-        return slot_ids(block_table, start, end, self.block_size)
-
     def metadata(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]]
                  ) -> AttentionMetadata:
         """Attention over each request's first context_lens[i] tokens; the last query_lens[i] are written."""
         return paged_metadata(query_lens, context_lens, block_tables, self.block_size, self.use_kernel)
-
-    def copy_from(self, source: list[tuple[torch.Tensor, torch.Tensor]], slots: list[int]) -> None:
-        """KV of `slots` from another cache of the same layout and pool (a self-draft takes the target's)."""
-        if not slots:
-            return
-        index = torch.tensor(slots, dtype=torch.long)
-        if self.use_kernel:
-            mine, theirs = self._pointers.get(tuple(t for pair in source for t in pair))
-            row_floats = self.spec.num_kv_heads * self.spec.head_dim
-            kernels.copy_kv_rows(mine, theirs, index, index, row_floats, self.block_size)
-            return
-        blocks, offsets = index // self.block_size, index % self.block_size
-        for (k_dst, v_dst), (k_src, v_src) in zip(self.caches, source):
-            k_dst[blocks, offsets] = k_src[blocks, offsets]
-            v_dst[blocks, offsets] = v_src[blocks, offsets]
-
-    def _pointer_arrays(self, source: tuple[torch.Tensor, ...]):
-        return kernels.pointer_array([t for pair in self.caches for t in pair]), kernels.pointer_array(list(source))

@@ -23,6 +23,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the memory budget (tests use it to force preemption)
     seed: int = 0
     speculative_config: dict | None = None
+    # Images (Qwen2-VL family): at most this many per prompt ({"image": n}), and the processor's pixel bounds
+    # ({"min_pixels", "max_pixels"}) over the model's preprocessor_config.json.
+    limit_mm_per_prompt: dict | None = None
+    mm_processor_kwargs: dict | None = None
+    skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry token ids and no text
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

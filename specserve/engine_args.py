@@ -23,6 +23,11 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                    help="memory for the paged KV cache, target and drafter (default: %(default)s, 1 GiB)")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON, e.g. \'{"method": "auto"}\' (see the README for every key)')
+    p.add_argument("--limit-mm-per-prompt", type=json_object, default=None,
+                   help='JSON, most images one prompt may carry, e.g. \'{"image": 2}\' (default: 16 images)')
+    p.add_argument("--mm-processor-kwargs", type=json_object, default=None,
+                   help='JSON, image resizing bounds, e.g. \'{"min_pixels": 3136, "max_pixels": 1003520}\' '
+                        "(default: the model's preprocessor_config.json)")
     if not speculation_flags:
         return
     # Short flags; each overrides the same key of --speculative-config.
@@ -31,6 +36,17 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
     p.add_argument("--speculative-model", default=None, help="drafter weights: a draft model (HF folder or .gguf), or an EAGLE/EAGLE-3/Medusa head folder")
     p.add_argument("--prompt-lookup-min", type=int, default=None)
     p.add_argument("--prompt-lookup-max", type=int, default=None)
+
+
+def json_object(text: str) -> dict:
+    """argparse type for a JSON object flag."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"image\": 2}}', got {text!r}")
+    return value
 
 
 def speculative_config(args) -> dict | None:
@@ -53,4 +69,6 @@ def engine_kwargs(args) -> dict:
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, speculative_config=speculative_config(args),
-                kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", 1 << 30))
+                kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", 1 << 30),
+                limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),
+                mm_processor_kwargs=getattr(args, "mm_processor_kwargs", None))

@@ -8,6 +8,7 @@ from typing import Sequence
 from specserve.config import EngineConfig
 from specserve.engine.engine import EngineMetrics, LLMEngine
 from specserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from specserve.multimodal.chat import split_chat_images, template_renders_images
 from specserve.sampling_params import SamplingParams
 
 
@@ -19,14 +20,17 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  enable_prefix_caching: bool = True, block_size: int = 16,
                  kv_cache_memory_bytes: int = 1 << 30, num_kv_blocks: int | None = None, seed: int = 0,
-                 speculative_config: dict | None = None, **kwargs) -> None:
+                 speculative_config: dict | None = None, limit_mm_per_prompt: dict | None = None,
+                 mm_processor_kwargs: dict | None = None, skip_tokenizer_init: bool = False, **kwargs) -> None:
         if kwargs:
             raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(kwargs))}")
         self.config = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, quantization=quantization, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            num_kv_blocks=num_kv_blocks, seed=seed, speculative_config=speculative_config)
+            num_kv_blocks=num_kv_blocks, seed=seed, speculative_config=speculative_config,
+            limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_kwargs=mm_processor_kwargs,
+            skip_tokenizer_init=skip_tokenizer_init)
         self.llm_engine = LLMEngine(self.config)
         self._counter = itertools.count()
 
@@ -79,14 +83,22 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
              ) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them. Content may be
+        a list of OpenAI parts: text, image_url (a base64 data URL) or image_pil (a PIL image)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.llm_engine.tokenizer
+        if tok is None:
+            raise ValueError("LLM.chat needs a tokenizer, but skip_tokenizer_init=True")
+        renders_images = template_renders_images(tok.chat_template)
         prompts = []
         for conv in conversations:
+            conv, images = split_chat_images(conv, renders_images)
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                            **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+            prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 

@@ -8,6 +8,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True)
+class MultiModalFeature:
+    """One image of a prompt: the run of placeholder tokens it fills and what the vision encoder reads."""
+
+    offset: int  # index of the first placeholder token in the prompt
+    length: int  # placeholder tokens = the encoder's output rows for this image
+    grid_thw: tuple[int, int, int]  # (temporal, height, width) in patches
+    hash: str  # content hash: part of the prefix-cache key of every block the image touches
+    pixel_values: Any  # [t * h * w, patch_dim] float32 (numpy), in the processor's row order
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 @dataclass
 class NewRequestData:
     """A request the runner has not seen, or one resumed after preemption (its state is rebuilt)."""
@@ -18,6 +33,7 @@ class NewRequestData:
     sampling_params: Any
     block_ids: list[int]
     num_computed_tokens: int
+    mm_features: list[MultiModalFeature] = field(default_factory=list)  # the prompt's images, in order
 
 
 @dataclass

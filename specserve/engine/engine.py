@@ -14,6 +14,7 @@ from specserve.engine.request import Request, RequestStatus, SpecDecodeStats
 from specserve.engine.scheduler import Scheduler, SchedulerConfig
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
+from specserve.multimodal.processor import MultiModalProcessor
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.proposer import TargetStates
 from specserve.tokenizer import load_tokenizer
@@ -37,12 +38,16 @@ class LLMEngine:
         self.config = config
         torch.manual_seed(config.seed)
         loaded = load_model_weights(config.model, dtype=config.torch_dtype)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         self.model = build_model(loaded.config, loaded.state_dict, dtype=config.torch_dtype,
                                  weight_dtype=config.linear_weight_dtype)
         self.hf_config = loaded.config
         self.max_model_len = self._max_model_len()
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer is not None
+                                       else _config_eos_ids(loaded.config))
+        self.mm_processor = MultiModalProcessor(
+            loaded.config, config.model, getattr(self.model, "vision", None) is not None,
+            config.limit_mm_per_prompt, config.mm_processor_kwargs)
         self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config, config.model)
                             if config.speculative_config else None)
         self.runner = ModelRunner(self.model, config.block_size, set(self.eos_token_ids), self.max_model_len,
@@ -86,8 +91,13 @@ class LLMEngine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer, but skip_tokenizer_init=True; send "
+                                 "prompt_token_ids")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
@@ -101,12 +111,15 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        ids, mm_features = self.mm_processor.process(ids, mm_data)
         self._validate_prompt(ids)
         arrival_time = time.time() if arrival_time is None else arrival_time
         children = self._child_params(request_id, params)
         self.output_processor.add_request(request_id, text, ids, children, arrival_time)
         for child_id, child_params in children:
-            self.scheduler.add_request(Request(child_id, ids, child_params, self.eos_token_ids, arrival_time))
+            self.scheduler.add_request(Request(child_id, ids, child_params, self.eos_token_ids, arrival_time,
+                                               mm_features=mm_features))
         self.metrics.num_prompt_tokens += len(ids)
 
     def _validate_prompt(self, ids: list[int]) -> None:
@@ -181,3 +194,9 @@ class LLMEngine:
 
     def get_metrics(self) -> EngineMetrics:
         return self.metrics
+
+
+def _config_eos_ids(hf_config: dict) -> set[int]:
+    """End-of-sequence ids named by the model config (eos_token_id: int or list), without a tokenizer."""
+    eos = hf_config.get("eos_token_id", (hf_config.get("text_config") or {}).get("eos_token_id"))
+    return set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}

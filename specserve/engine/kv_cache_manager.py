@@ -26,15 +26,23 @@ class KVCacheBlock:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
-    """Hash chain link: a block's identity is its tokens plus everything before it.
+def hash_block_tokens(parent_hash: bytes | None, token_ids: tuple[int, ...], extra_keys: tuple[str, ...] = ()) -> bytes:
+    """Hash chain link: a block's identity is its tokens plus everything before it, plus the content
+    hashes of the images whose placeholder tokens it holds (every image has the same placeholder ids).
 
     SHA-256 rather than Python's hash(): on a shared server a crafted prompt must not be able to
     collide with another user's cached prefix.
     """
     digest = hashlib.sha256(parent_hash or b"")
     digest.update(array("q", token_ids).tobytes())
+    for key in extra_keys:
+        digest.update(b"\x00mm:" + key.encode())
     return digest.digest()
+
+
+def block_extra_keys(request: Request, start: int, end: int) -> tuple[str, ...]:
+    """Hashes of the request's images whose placeholders overlap tokens [start, end)."""
+    return tuple(f.hash for f in request.mm_features if f.offset < end and start < f.offset + f.length)
 
 
 class BlockPool:
@@ -153,7 +161,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range(len(hashes), min(num_tokens, len(tokens)) // bs):
             parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            extra = block_extra_keys(request, i * bs, (i + 1) * bs) if request.mm_features else ()
+            hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks; at least one token is always left to compute."""

@@ -48,7 +48,7 @@ class OutputProcessor:
         states = {}
         for index, (child_id, params) in enumerate(children):
             detok = None
-            if getattr(params, "detokenize", True):
+            if getattr(params, "detokenize", True) and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                                skip_special_tokens=getattr(params, "skip_special_tokens", True))
             want_lp = getattr(params, "logprobs", None) is not None
@@ -102,7 +102,8 @@ class OutputProcessor:
     def _add_logprobs(self, completion: CompletionOutput, entries: list[dict]) -> None:
         for token_id, entry in zip(completion.token_ids[len(completion.logprobs):], entries):
             completion.logprobs.append({
-                tid: Logprob(lp, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
+                tid: Logprob(lp, rank, self.tokenizer.decode([tid], skip_special_tokens=False)
+                             if self.tokenizer is not None else None)
                 for tid, (lp, rank) in entry.items()})
             completion.cumulative_logprob += entry[token_id][0]
 

@@ -71,6 +71,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
         max_tokens: int | None = None,
+        mm_features: list | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -94,6 +95,7 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(getattr(sampling_params, "stop_token_ids", None) or ())
         self.num_speculative_tokens = getattr(sampling_params, "num_speculative_tokens", None)
+        self.mm_features = list(mm_features or ())  # types.MultiModalFeature per image, in prompt order
 
     @property
     def num_prompt_tokens(self) -> int:

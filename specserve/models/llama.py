@@ -215,9 +215,14 @@ class LlamaForCausalLM:
         return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        """input_ids: [N]; positions: [N] (or [3, N] for M-RoPE); returns (hidden [N, hidden], aux or None)."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], mm_embeds=None):
+        """input_ids: [N]; positions: [N] (or [3, N] for M-RoPE); mm_embeds: None, or (rows [R], embeddings
+        [R, hidden]) that replace those rows' token embeddings (image placeholders); returns (hidden [N,
+        hidden], aux or None)."""
         x = self.embed_tokens[input_ids]
+        if mm_embeds is not None:
+            rows, values = mm_embeds
+            x[rows] = values.to(x.dtype)
         cos, sin = self.rotary.cos_sin(positions)
         if self.fused_forward and meta.kernel is not None:  # the kernel then serves every request
             return self._forward_fused(x, cos, sin, meta, kv_caches)

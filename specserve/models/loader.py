@@ -80,10 +80,13 @@ def load_hf_folder(folder: str, dtype: torch.dtype) -> tuple[dict, dict[str, tor
     state_dict: dict[str, torch.Tensor] = {}
     for file in safetensors_files(folder):
         state_dict.update(read_safetensors(file, dtype))
+    vision_config, vision_weights = None, {}
     if raw.get("model_type") in _MROPE_MODEL_TYPES:
-        # Vision-language checkpoints: keep the text decoder (flat config, llama-style names).
-        from specserve.models.qwen2_vl import text_decoder_config, text_decoder_weights
+        # Vision-language checkpoints: the text decoder (flat config, llama-style names) is checked like any
+        # decoder; the vision tower's config and weights ride along as they are.
+        from specserve.models.qwen2_vl import text_decoder_config, text_decoder_weights, vision_tower_weights
 
+        vision_config, vision_weights = raw.get("vision_config"), vision_tower_weights(state_dict)
         raw, state_dict = text_decoder_config(raw), text_decoder_weights(state_dict)
     config = normalize_config(raw, os.path.join(folder, "config.json"))
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
@@ -92,6 +95,9 @@ def load_hf_folder(folder: str, dtype: torch.dtype) -> tuple[dict, dict[str, tor
     elif config["tie_word_embeddings"]:
         del state_dict["lm_head.weight"]  # transformers would overwrite it with the embedding
     check_state_dict(config, state_dict, folder)
+    if vision_weights and vision_config:
+        config["vision_config"] = vision_config
+        state_dict.update(vision_weights)
     return config, state_dict
 
 

@@ -1,8 +1,9 @@
-"""Qwen2-VL / Qwen2.5-VL text decoder: the Qwen2 layers of llama.py with multimodal rotary positions (M-RoPE).
-
-Only the language model is served (text-only prompts); vision-tower weights in the checkpoint are ignored.
+"""Qwen2-VL / Qwen2.5-VL: the Qwen2 layers of llama.py with multimodal rotary positions (M-RoPE), the vision
+tower of qwen2_vl_vision.py, and the positions of prompts with images.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +29,51 @@ def text_mrope_positions(num_computed: int, num_tokens: int, delta: int = 0) -> 
         raise ValueError(f"num_computed and num_tokens must be >= 0 (got {num_computed}, {num_tokens})")
     row = torch.arange(num_computed + delta, num_computed + delta + num_tokens, dtype=torch.long)
     return row.unsqueeze(0).repeat(3, 1)
+
+
+def mrope_prompt_positions(num_prompt_tokens: int, features, merge_size: int) -> tuple[torch.Tensor, int]:
+    """[3, P] M-RoPE positions of a prompt with images, and the request's delta.
+
+    features: objects with offset, length and grid_thw (types.MultiModalFeature), by offset. Text tokens
+    take a running counter on all three rows; an image's merged token (ti, r, c) takes (next + ti, next + r,
+    next + c), after which the counter resumes at the image's largest position + 1. Positions of tokens past
+    the prompt are index + delta, delta = largest prompt position + 1 - P (<= 0 with images).
+    """
+    pieces, next_pos, cursor = [], 0, 0
+    for f in sorted(features, key=lambda f: f.offset):
+        t, h, w = f.grid_thw
+        rows, cols = h // merge_size, w // merge_size
+        if f.offset < cursor or f.length != t * rows * cols:
+            raise ValueError(f"image placeholders at {f.offset} (+{f.length}) do not fit grid {f.grid_thw} "
+                             f"with merge size {merge_size} after token {cursor}")
+        pieces.append(torch.arange(next_pos, next_pos + f.offset - cursor).expand(3, -1))
+        next_pos += f.offset - cursor
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(rows), torch.arange(cols), indexing="ij"))
+        pieces.append(grid.reshape(3, -1) + next_pos)
+        next_pos += max(t, rows, cols)
+        cursor = f.end
+    if cursor > num_prompt_tokens:
+        raise ValueError(f"image placeholders end at {cursor}, past the prompt's {num_prompt_tokens} tokens")
+    pieces.append(torch.arange(next_pos, next_pos + num_prompt_tokens - cursor).expand(3, -1))
+    next_pos += num_prompt_tokens - cursor
+    return torch.cat(pieces, dim=1), next_pos - num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class MRopePositions:
+    """One request's M-RoPE positions: its prompt's [3, P] (from mrope_prompt_positions), then index + delta
+    on all three rows for every later token (outputs, drafts)."""
+
+    prompt: torch.Tensor  # [3, P]
+    delta: int
+
+    def range(self, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] positions of token indices start..end-1."""
+        num_prompt = self.prompt.shape[1]
+        if end <= num_prompt:
+            return self.prompt[:, start:end]
+        tail = torch.arange(max(start, num_prompt) + self.delta, end + self.delta).expand(3, -1)
+        return tail if start >= num_prompt else torch.cat([self.prompt[:, start:], tail], dim=1)
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -119,6 +165,11 @@ def text_decoder_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
+def vision_tower_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The vision tower's weights, under their checkpoint names."""
+    return {name: tensor for name, tensor in weights.items() if name.startswith(_VISION_PREFIXES)}
+
+
 class Qwen2VLForCausalLM(LlamaForCausalLM):
     """Qwen2-VL / Qwen2.5-VL language model; `forward` takes positions [N] or [3, N] (t, h, w rows)."""
 
@@ -126,10 +177,31 @@ class Qwen2VLForCausalLM(LlamaForCausalLM):
 
     def __init__(self, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                  aux_hidden_layers: tuple[int, ...] = (), weight_dtype=None) -> None:
+        from specserve.models.qwen2_vl_vision import build_vision_tower
+
         text = text_decoder_config(hf_config)
         self.mrope_section = text["mrope_section"]  # read by _make_rotary, which the base constructor calls
+        self.vision = build_vision_tower(hf_config, weights)  # None for a checkpoint without the vision tower
         super().__init__(text, text_decoder_weights(weights), dtype=dtype, aux_hidden_layers=aux_hidden_layers,
                          weight_dtype=weight_dtype)
+        if self.vision is not None and self.vision.out_hidden_size != self.config.hidden_size:
+            raise ValueError(f"the vision tower's output width {self.vision.out_hidden_size} differs from the "
+                             f"language model's hidden_size {self.config.hidden_size}")
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return self.vision.spatial_merge_size if self.vision is not None else 2
+
+    def prompt_positions(self, num_prompt_tokens: int, mm_features) -> MRopePositions:
+        positions, delta = mrope_prompt_positions(num_prompt_tokens, mm_features, self.spatial_merge_size)
+        return MRopePositions(positions, delta)
+
+    def encode_image(self, pixel_values, grid_thw: tuple[int, int, int]) -> torch.Tensor:
+        """pixel_values: [t * h * w, patch_dim] (numpy or torch) → [t * h * w / merge**2, hidden] embeddings."""
+        if self.vision is None:
+            raise ValueError("this checkpoint has no vision tower: it takes text prompts only")
+        pixels = torch.as_tensor(pixel_values, dtype=torch.float32)
+        return self.vision.forward(pixels, [tuple(grid_thw)]).to(self.dtype)
 
     def _make_rotary(self, cfg: DecoderConfig, dtype: torch.dtype) -> MRotaryEmbedding:
         return MRotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, self.mrope_section,

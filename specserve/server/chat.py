@@ -2,6 +2,7 @@
 streamed as chat.completion.chunk events."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator
 
@@ -9,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from specserve.engine.outputs import Logprob
+from specserve.multimodal.chat import split_chat_images, template_renders_images
 from specserve.sampling_params import SamplingParams
 from specserve.server.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -23,7 +25,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
                                  ) -> Response:
     ctx.check_model(request.model)
     _check_unsupported(request)
-    prompt = render_prompt(ctx, request)
+    prompt = await render_prompt(ctx, request)
     max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = ctx.max_tokens_for(request.requested_max_tokens, len(prompt["prompt_token_ids"]), max_param)
     params = ctx.sampling_params(request, max_tokens, {"max_tokens": max_param, "logprobs": "top_logprobs"})
@@ -52,16 +54,27 @@ def _check_unsupported(request: ChatCompletionRequest) -> None:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
 
 
-def render_prompt(ctx: ServingContext, request: ChatCompletionRequest) -> dict:
-    """The conversation through the chat template, tokenized as `LLM.chat` does."""
+async def render_prompt(ctx: ServingContext, request: ChatCompletionRequest) -> dict:
+    """The conversation through the chat template, tokenized as `LLM.chat` does; image parts become the
+    template's placeholders and the prompt's multi_modal_data (the engine expands the placeholders)."""
     messages = [m.as_template_dict() for m in request.messages]
+    images = []
+    if any(m.has_images for m in request.messages):
+        renders_images = template_renders_images(getattr(ctx.tokenizer, "chat_template", None))
+        try:  # decoding images is CPU work: keep it off the event loop
+            messages, images = await asyncio.to_thread(split_chat_images, messages, renders_images)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from exc
     try:
         text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt)
     except Exception as exc:  # noqa: BLE001 - a template rejects a conversation by raising anything
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
     ids = ctx.tokenize(text, "messages", add_special_tokens=False)
     ctx.check_prompt_ids(ids, "messages")
-    return {"prompt": text, "prompt_token_ids": ids}
+    prompt = {"prompt": text, "prompt_token_ids": ids}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    return prompt
 
 
 def chat_logprobs(entries: list[dict[int, Logprob]] | None, num: int) -> ChatLogprobs:

@@ -106,15 +106,35 @@ class TextContentPart(OpenAIModel):
     text: str
 
 
+class ImageURL(OpenAIModel):
+    url: str = Field(description="a base64 data URL 'data:image/<png|jpeg|webp>;base64,...' (nothing is fetched)")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="accepted and ignored, as in vLLM")
+
+
+class ImageURLContentPart(OpenAIModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextContentPart, ImageURLContentPart], Field(discriminator="type")]
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.type == "image_url" for p in self.content)
+
     def as_template_dict(self) -> dict:
-        """The message as chat templates expect it: text parts joined, developer shown as system."""
+        """The message as chat templates expect it, developer shown as system: text parts joined, or, when
+        it holds images, the parts kept as dicts for `split_chat_images`."""
         content = self.content
-        if isinstance(content, list):
+        if self.has_images:
+            content = [part.model_dump(exclude_none=True) for part in content]
+        elif isinstance(content, list):
             content = "\n".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": content or "", "name": self.name}

@@ -57,35 +57,43 @@ class DraftModelProposer:
                             lambda live, last, step: self._advance(inputs, kv, live, last, step))
 
     # ---- forward passes ------------------------------------------------------------------
-    def _forward(self, kv, ids: list[int], positions: list[int], query_lens: list[int],
+    def _forward(self, kv, ids: list[int], positions: torch.Tensor, query_lens: list[int],
                  context_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
         meta = kv.metadata(query_lens, context_lens, tables)
-        hidden, _ = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, kv.caches)
+        hidden, _ = self.model.forward(torch.tensor(ids), positions, meta, kv.caches)
         last = torch.tensor(query_lens).cumsum(0) - 1
         return self.model.compute_logits(hidden[last])
 
     def _catch_up(self, inputs: DraftInputs, kv, rows: list[int]) -> torch.Tensor:
         """Feed each request the history tokens the drafter has not seen; [len(rows), vocab] logits. In the
         target's cache every token but the newest has its KV (the target's own) already."""
-        ids, positions, qlens, clens, tables = [], [], [], [], []
+        ids, spans, qlens, clens, tables = [], [], [], [], []
         for i in rows:
             rid, history = inputs.req_ids[i], inputs.token_ids[i]
             start = len(history) - 1 if self.shares_target_kv else kv.num_valid[rid]
             ids.extend(history[start:])
-            positions.extend(range(start, len(history)))
+            spans.append((i, start, len(history)))
             qlens.append(len(history) - start)
             clens.append(len(history))
             tables.append(inputs.block_tables[rid])
             if not self.shares_target_kv:
                 kv.num_valid[rid] = len(history)
-        return self._forward(kv, ids, positions, qlens, clens, tables)
+        return self._forward(kv, ids, self._positions(inputs, spans), qlens, clens, tables)
+
+    def _positions(self, inputs: DraftInputs, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Positions of (request row, start, end) token spans, flattened: [n], or [3, n] for an M-RoPE draft
+        model (the target's positions, images included)."""
+        if not self.model.uses_mrope:
+            return torch.tensor([p for _, start, end in spans for p in range(start, end)], dtype=torch.long)
+        return torch.cat([inputs.positions(i, start, end, mrope=True) for i, start, end in spans], dim=1)
 
     def _advance(self, inputs: DraftInputs, kv, rows: list[int], last_tokens: list[int],
                  step: int) -> torch.Tensor:
         """One token per request: the draft just proposed, at index len(history) + step."""
-        positions = [len(inputs.token_ids[i]) + step for i in rows]
+        index = [len(inputs.token_ids[i]) + step for i in rows]
         tables = [inputs.block_tables[inputs.req_ids[i]] for i in rows]
-        return self._forward(kv, last_tokens, positions, [1] * len(rows), [p + 1 for p in positions], tables)
+        positions = self._positions(inputs, [(i, p, p + 1) for i, p in zip(rows, index)])
+        return self._forward(kv, last_tokens, positions, [1] * len(rows), [p + 1 for p in index], tables)
 
     def _draw(self, inputs: DraftInputs, rows: list[int], logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
         """logits: [len(rows), vocab] -> one draft per row, and q where any row samples."""

@@ -98,6 +98,17 @@ class DraftInputs:
     # [B] for a proposer with options: [(option, number of drafts)], best first; num_drafts[i] is the
     # first entry's count (0 for an empty plan).
     draft_plans: list[list[tuple[int, int]]] = field(default_factory=list)
+    # [B] (empty when no request has images) each request's M-RoPE positions when its prompt has images
+    # (models.qwen2_vl.MRopePositions), else None: see positions().
+    mrope_positions: list = field(default_factory=list)
+
+    def positions(self, i: int, start: int, end: int, mrope: bool) -> torch.Tensor:
+        """Positions of request i's token indices start..end-1 (history, then drafts) as the target would
+        place them: [n] indices, or with mrope [3, n] (a prompt's images, then index + delta)."""
+        if not mrope:
+            return torch.arange(start, end)
+        request = self.mrope_positions[i] if self.mrope_positions else None
+        return request.range(start, end) if request is not None else torch.arange(start, end).expand(3, -1)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.models.qwen2_vl import MRopePositions
 from specserve.ops.attention import AttentionMetadata, build_attention_metadata, kv_caches, slot_ids
 from specserve.ops.kernels import kernel_usable
 from specserve.sample.metadata import SamplingMetadata
@@ -29,6 +30,17 @@ def positions_at(positions: torch.Tensor, index: torch.Tensor | slice) -> torch.
     return positions[..., index]
 
 
+def _with_image_positions(positions: torch.Tensor, image_positions: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """positions [3, N] with the columns of requests whose prompts hold images replaced by their own
+    M-RoPE positions: (first column, [3, n])."""
+    if not image_positions:
+        return positions
+    positions = positions.clone()
+    for first, rows in image_positions:
+        positions[:, first:first + rows.shape[1]] = rows
+    return positions
+
+
 @dataclass
 class CachedRequestState:
     """What the runner remembers of a request between steps (tokens exclude drafts)."""
@@ -41,6 +53,9 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     token_ids: list[int] = field(default_factory=list)
+    mm_features: list = field(default_factory=list)  # types.MultiModalFeature per image of the prompt
+    mrope: MRopePositions | None = None  # M-RoPE positions of a prompt with images (None: the index)
+    encoder_outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # image → [length, hidden], until prefilled
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids
@@ -57,6 +72,7 @@ class InputBatch:
     req_ids: list[str]
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N] (or [3, N] under M-RoPE)
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None  # (rows [R], image embeddings [R, hidden]) or None
     attn: AttentionMetadata
     query_start_loc: list[int]  # [B + 1]
     logits_indices: torch.Tensor  # [M] rows of hidden states the LM head sees
@@ -138,7 +154,8 @@ class ModelRunner:
         batch = self.prepare_inputs(sched)
         start = time.perf_counter()
         with self.thread_policy.run(len(batch.input_ids)):
-            hidden, aux = self.model.forward(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
+            hidden, aux = self.model.forward(batch.input_ids, batch.positions, batch.attn, self.kv_caches,
+                                             batch.mm_embeds)
             sampled, logprobs = self.sample_or_verify(hidden[batch.logits_indices], batch)
             if self.proposer is not None and self._is_decode_step(batch):  # the measured cost of drafting
                 self.draft_policy.observe_step(len(batch.req_ids), len(batch.input_ids), time.perf_counter() - start)
@@ -164,9 +181,12 @@ class ModelRunner:
                 self.draft_policy.forget(rid)
                 self.generators.pop(rid, None)
         for new in sched.scheduled_new_reqs:
-            self.requests[new.req_id] = CachedRequestState(
+            state = self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens, self._generator(new.req_id, new.sampling_params))
+                list(new.block_ids), new.num_computed_tokens, self._generator(new.req_id, new.sampling_params),
+                mm_features=list(new.mm_features))
+            if state.mm_features:
+                state.mrope = self.model.prompt_positions(len(state.prompt_token_ids), state.mm_features)
             if self.drafter_kv is not None:
                 self.drafter_kv.start(new.req_id, new.num_computed_tokens)
         for cached in sched.scheduled_cached_reqs:
@@ -185,7 +205,7 @@ class ModelRunner:
 
     # ---- inputs -------------------------------------------------------------------------
     def prepare_inputs(self, sched: SchedulerOutput) -> InputBatch:
-        ids, positions, slots = [], [], []
+        ids, positions, slots, image_positions, image_rows, image_embeds = [], [], [], [], [], []
         query_lens, context_lens, tables, sample_ids, sample_drafts, sample_ends = [], [], [], [], [], []
         starts = [0]
         for rid in sched.req_ids:
@@ -196,6 +216,12 @@ class ModelRunner:
             tokens = state.token_ids[start:start + n]
             ids.extend(tokens + drafts[: n - len(tokens)])
             positions.extend(range(start, start + n))
+            if state.mrope is not None:
+                image_positions.append((starts[-1], state.mrope.range(start, start + n)))
+            if state.mm_features and start < state.mm_features[-1].end:
+                for rows, embeds in self._image_embeds(state, start, start + n, starts[-1]):
+                    image_rows.extend(rows)
+                    image_embeds.append(embeds)
             slots.extend(slot_ids(state.block_ids, start, start + n, self.block_size))
             if start + n >= len(state.token_ids):
                 sample_ids.append(rid)
@@ -211,7 +237,9 @@ class ModelRunner:
         return InputBatch(
             req_ids=list(sched.req_ids),
             input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=self._layout_positions(torch.tensor(positions, dtype=torch.long)),
+            positions=_with_image_positions(self._layout_positions(torch.tensor(positions, dtype=torch.long)),
+                                            image_positions),
+            mm_embeds=(torch.tensor(image_rows, dtype=torch.long), torch.cat(image_embeds)) if image_rows else None,
             attn=attn,
             query_start_loc=starts,
             logits_indices=(spec.logits_indices if spec is not None
@@ -221,9 +249,25 @@ class ModelRunner:
             spec_decode_metadata=spec,
         )
 
-    def _layout_positions(self, positions: torch.Tensor) -> torch.Tensor:
+    def _layout_positions(self, index: torch.Tensor) -> torch.Tensor:
         """[N] absolute indices → the model's layout: [N], or [3, N] under M-RoPE (text: equal rows)."""
-        return positions.expand(3, -1) if self.uses_mrope else positions
+        return index.expand(3, -1) if self.uses_mrope else index
+
+    def _image_embeds(self, state: CachedRequestState, start: int, end: int, first_row: int):
+        """[(batch rows, embeddings [len(rows), hidden])] of the image placeholders among tokens start..end-1,
+        whose first token sits at batch row first_row; an image is encoded once and kept until fully fed."""
+        out = []
+        for i, f in enumerate(state.mm_features):
+            lo, hi = max(start, f.offset), min(end, f.end)
+            if lo >= hi:
+                continue
+            if i not in state.encoder_outputs:
+                state.encoder_outputs[i] = self.model.encode_image(f.pixel_values, f.grid_thw)
+            out.append((range(first_row + lo - start, first_row + hi - start),
+                        state.encoder_outputs[i][lo - f.offset:hi - f.offset]))
+            if hi == f.end:
+                del state.encoder_outputs[i]
+        return out
 
     # ---- sampling -----------------------------------------------------------------------
     def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
@@ -353,6 +397,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             finished_req_ids=finished,
             drafter_kv=self.drafter_kv,
+            mrope_positions=[s.mrope for s in states] if any(s.mrope is not None for s in states) else [],
         )
         needs = self.proposer.needs
         if needs.kv is not None or needs.reads_target_kv:  # its slots follow the target's block tables
@@ -369,8 +414,10 @@ class ModelRunner:
             inputs.target_positions = positions_at(batch.positions, take)
             inputs.target_hidden_states = hidden[take]
             inputs.aux_hidden_states = [a[take] for a in aux] if aux is not None else None
-            inputs.next_positions = self._layout_positions(
-                torch.tensor([len(s.token_ids) - 1 for s in states], dtype=torch.long))
+            inputs.next_positions = _with_image_positions(
+                self._layout_positions(torch.tensor([len(s.token_ids) - 1 for s in states], dtype=torch.long)),
+                [(i, s.mrope.range(len(s.token_ids) - 1, len(s.token_ids))) for i, s in enumerate(states)
+                 if s.mrope is not None])
         if needs.reads_target_kv:
             inputs.target_kv_caches = self.kv_caches
         return inputs

@@ -235,3 +235,16 @@ def test_images_to_a_text_only_model_are_refused(tmp_path):
     out = llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": IMAGES[0]}}, GREEDY,
                        use_tqdm=False)[0]
     assert "takes text only" in out.error
+
+
+def test_preempted_image_requests_recompute_the_same_tokens(vl):
+    """Too few KV blocks for the batch: requests are preempted and recomputed, images re-encoded, and
+    the output is unchanged."""
+    _, folder = vl
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    roomy = LLM(model=folder, **ENGINE).generate(prompts, params, use_tqdm=False)
+    tight = LLM(model=folder, **dict(ENGINE, max_model_len=128, num_kv_blocks=20, enable_prefix_caching=False))
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.get_metrics().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]

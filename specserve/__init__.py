@@ -15,7 +15,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name):
@@ -24,8 +24,8 @@ def __getattr__(name):
         from specserve.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from specserve.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from specserve import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(name)

@@ -49,6 +49,59 @@ def _fail(name: str, allowed: str, value):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's structured output constraint: exactly one of json (a JSON schema, dict or string), regex,
+    choice (the output is one of these strings), grammar (EBNF), or json_object=True (any JSON object)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_fields = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(set_fields) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object (got {', '.join(set_fields) or 'none'})")
+        _require(self.json is None or isinstance(self.json, (str, dict)), "structured_outputs.json",
+                 "a JSON schema (dict or JSON string)", self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, str) and value), f"structured_outputs.{name}",
+                     "a non-empty string", value)
+        if self.choice is not None:
+            ok = isinstance(self.choice, (list, tuple)) and self.choice and all(isinstance(c, str) for c in self.choice)
+            _require(ok, "structured_outputs.choice", "a non-empty list of strings", self.choice)
+            self.choice = list(self.choice)
+        _require(self.json_object in (None, True, False), "structured_outputs.json_object", "a bool",
+                 self.json_object)
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def spec(self):
+        return getattr(self, self.kind)
+
+    @classmethod
+    def coerce(cls, value) -> "StructuredOutputsParams | None":
+        """None, a StructuredOutputsParams, or a dict of its fields."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            _fail("structured_outputs", "a StructuredOutputsParams or a dict of its fields", value)
+        unknown = sorted(set(value) - set(STRUCTURED_KINDS))
+        if unknown:
+            raise ValueError(f"structured_outputs.{unknown[0]} is not a field (fields: {', '.join(STRUCTURED_KINDS)})")
+        return cls(**value)
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request's output; defaults and ranges follow vLLM.
 
@@ -76,8 +129,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     num_speculative_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self._normalize()
         self._verify_sampling()
         self._verify_penalties()

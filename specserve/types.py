@@ -34,6 +34,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # the prompt's images, in order
+    grammar: Any = None  # the compiled structured-output grammar (structured.grammar.CompiledGrammar) or None
 
 
 @dataclass

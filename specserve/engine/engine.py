@@ -45,6 +45,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer is not None
                                        else _config_eos_ids(loaded.config))
+        self._grammar_compiler = None  # built on the first structured-output request
         self.mm_processor = MultiModalProcessor(
             loaded.config, config.model, getattr(self.model, "vision", None) is not None,
             config.limit_mm_per_prompt, config.mm_processor_kwargs)
@@ -114,12 +115,13 @@ class LLMEngine:
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         ids, mm_features = self.mm_processor.process(ids, mm_data)
         self._validate_prompt(ids)
+        grammar = self._compile_grammar(params.structured_outputs)
         arrival_time = time.time() if arrival_time is None else arrival_time
         children = self._child_params(request_id, params)
         self.output_processor.add_request(request_id, text, ids, children, arrival_time)
         for child_id, child_params in children:
             self.scheduler.add_request(Request(child_id, ids, child_params, self.eos_token_ids, arrival_time,
-                                               mm_features=mm_features))
+                                               mm_features=mm_features, grammar=grammar))
         self.metrics.num_prompt_tokens += len(ids)
 
     def _validate_prompt(self, ids: list[int]) -> None:
@@ -132,6 +134,22 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[0]}")
+
+    def _compile_grammar(self, structured):
+        """The compiled grammar of a request's structured_outputs (cached by spec), or None; ValueError for
+        a spec the grammar engine refuses."""
+        if structured is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer, but skip_tokenizer_init=True")
+        if self._grammar_compiler is None:
+            from specserve.structured.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+        try:
+            return self._grammar_compiler.compile(structured.kind, structured.spec)
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs.{structured.kind}: {exc}") from exc
 
     @staticmethod
     def _child_params(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:

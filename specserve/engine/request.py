@@ -72,6 +72,7 @@ class Request:
         arrival_time: float | None = None,
         max_tokens: int | None = None,
         mm_features: list | None = None,
+        grammar: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -96,6 +97,7 @@ class Request:
         self.stop_token_ids = frozenset(getattr(sampling_params, "stop_token_ids", None) or ())
         self.num_speculative_tokens = getattr(sampling_params, "num_speculative_tokens", None)
         self.mm_features = list(mm_features or ())  # types.MultiModalFeature per image, in prompt order
+        self.grammar = grammar  # the compiled structured-output grammar, or None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -175,7 +175,7 @@ class Scheduler:
         resumed_ids = {r.request_id for r in resumed}
         new_reqs = [
             NewRequestData(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
-                           self.kv.get_block_ids(r.request_id), r.num_computed_tokens, r.mm_features)
+                           self.kv.get_block_ids(r.request_id), r.num_computed_tokens, r.mm_features, r.grammar)
             for r in resumed
         ]
         cached_reqs = [

@@ -12,7 +12,8 @@ from specserve.sampling_params import SamplingParams
 from specserve.server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse)
 from specserve.server.serving import (
-    MIN_LOGPROB, APIError, ServingContext, bad_request, final_outputs, make_usage, random_id, unsupported)
+    MIN_LOGPROB, APIError, ServingContext, bad_request, final_outputs, make_usage, random_id, single_constraint,
+    unsupported)
 from specserve.server.streaming import (
     SSE_DONE, ChoiceCursor, EventStreamResponse, merged, sse, sse_error, unless_disconnected)
 
@@ -23,14 +24,15 @@ _RENAMES: dict[str, str] = {}
 async def create_completion(ctx: ServingContext, request: CompletionRequest, raw_request: Request) -> Response:
     ctx.check_model(request.model)
     _check_unsupported(request)
+    constraint = single_constraint(request.output_constraints())
     prompts = _engine_prompts(ctx, request.prompt)
     jobs, params = [], None
     request_id = random_id("cmpl")
     for i, prompt in enumerate(prompts):
         max_tokens = ctx.max_tokens_for(request.max_tokens, len(prompt["prompt_token_ids"]), "max_tokens")
-        params = ctx.sampling_params(request, max_tokens, _RENAMES)
+        params = ctx.sampling_params(request, max_tokens, _RENAMES, constraint)
         jobs.append((request_id if len(prompts) == 1 else f"{request_id}-{i}", prompt, params))
-    streams = await ctx.start_all(jobs, "prompt")
+    streams = await ctx.start_all(jobs, "prompt", constraint)
     if request.stream:
         body = _stream(ctx, request, request_id, streams, prompts, params)
         return EventStreamResponse(body)

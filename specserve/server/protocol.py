@@ -3,12 +3,15 @@ extra sampling fields; requests turn themselves into `SamplingParams`.
 """
 from __future__ import annotations
 
+import json
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from specserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from specserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 # torch.Generator.manual_seed takes anything in [-2^63, 2^64).
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1
@@ -45,6 +48,42 @@ class StreamOptions(OpenAIModel):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="accepted; the output always follows the schema")
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _needs_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("type 'json_schema' needs json_schema.schema")
+        return self
+
+    def constraint(self) -> "OutputConstraint | None":
+        if self.type == "json_object":
+            return OutputConstraint("response_format", {"json_object": True}, "response_format")
+        if self.type == "json_schema":
+            return OutputConstraint("response_format", {"json": self.json_schema.schema_},
+                                    "response_format.json_schema.schema")
+        return None
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """A request field that constrains the output. `fields` are StructuredOutputsParams' keyword arguments;
+    errors about them ("structured_outputs.json ...") name the field as `label` (None: as they are)."""
+
+    param: str
+    fields: dict[str, Any]
+    label: str | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Fields both endpoints share: OpenAI's, then vLLM's extras."""
 
@@ -72,6 +111,15 @@ class SamplingFields(OpenAIModel):
     num_speculative_tokens: int | None = Field(
         None, ge=0, description="draft tokens per step for this request: 0 = no speculation, "
                                 "omitted = the server's speculative_config")
+    # Structured output: at most one of these (response_format is OpenAI's, the others vLLM's).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="one of json (a JSON schema), regex, choice (a list of strings), grammar (EBNF), "
+                          "json_object (true)")
+    guided_json: str | dict[str, Any] | None = Field(None, description="older name of structured_outputs.json")
+    guided_regex: str | None = Field(None, description="older name of structured_outputs.regex")
+    guided_choice: list[str] | None = Field(None, description="older name of structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="older name of structured_outputs.grammar")
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams keyword arguments common to both endpoints (None = SamplingParams' default)."""
@@ -83,6 +131,19 @@ class SamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, num_speculative_tokens=self.num_speculative_tokens)
         return {k: v for k, v in kwargs.items() if v is not None}
+
+    def output_constraints(self) -> list[OutputConstraint]:
+        """Every field of this request that constrains the output (more than one is an error)."""
+        found = []
+        if self.response_format is not None and (constraint := self.response_format.constraint()):
+            found.append(constraint)
+        if self.structured_outputs is not None:
+            found.append(OutputConstraint("structured_outputs", self.structured_outputs))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append(OutputConstraint(f"guided_{kind}", {kind: value}, f"guided_{kind}"))
+        return found
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -97,8 +158,10 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1, description="not supported beyond n")
     suffix: str | None = Field(None, description="not supported")
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return SamplingParams(**self.sampling_kwargs(), max_tokens=max_tokens, logprobs=self.logprobs)
+    def to_sampling_params(self, max_tokens: int | None,
+                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        return SamplingParams(**self.sampling_kwargs(), max_tokens=max_tokens, logprobs=self.logprobs,
+                              structured_outputs=structured_outputs)
 
 
 class TextContentPart(OpenAIModel):
@@ -119,10 +182,27 @@ class ImageURLContentPart(OpenAIModel):
 ContentPart = Annotated[Union[TextContentPart, ImageURLContentPart], Field(discriminator="type")]
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON string")
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolCall(OpenAIModel):
+    id: str = Field(default_factory=new_tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant turn's earlier tool calls")
+    tool_call_id: str | None = Field(None, description="a tool turn: the call it answers")
 
     @property
     def has_images(self) -> bool:
@@ -137,11 +217,42 @@ class ChatMessage(OpenAIModel):
         elif isinstance(content, list):
             content = "\n".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or "", "name": self.name}
+        message = {"role": role, "content": content or "", "name": self.name}
+        if self.tool_calls:
+            message["tool_calls"] = [_template_tool_call(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-class ResponseFormat(OpenAIModel):
-    type: str
+def _template_tool_call(call: ToolCall) -> dict:
+    """Chat templates (as in transformers) expect a call's arguments as a dict, not OpenAI's JSON string."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema; omitted = no arguments")
+    strict: bool | None = Field(None, description="accepted; constrained calls always follow the schema")
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -151,16 +262,27 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'}")
-    tools: list[dict] | None = Field(None, description="not supported: must be empty")
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: 'auto' with tools, else 'none'; 'auto' is refused (no tool-call parser "
+                          "reads free text)")
+    parallel_tool_calls: bool | None = Field(None, description="false: 'required' makes exactly one call")
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def to_sampling_params(self, max_tokens: int | None,
+                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(**self.sampling_kwargs(), max_tokens=max_tokens, logprobs=num_logprobs)
+        return SamplingParams(**self.sampling_kwargs(), max_tokens=max_tokens, logprobs=num_logprobs,
+                              structured_outputs=structured_outputs)
 
 
 # ------------------------------------------------------------------------------------------- responses
@@ -224,6 +346,7 @@ class ChatLogprobs(OpenAIModel):
 class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIModel):
@@ -243,14 +366,29 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo | None = None
 
 
-class DeltaMessage(OpenAIModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
+class DeltaModel(OpenAIModel):
     @model_serializer(mode="wrap")
     def _drop_nones(self, handler):
-        # A delta carries only what changed: the role once, then content.
+        # A delta carries only what changed: the role once, then content; a tool call's id and name once.
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(DeltaModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(DeltaModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(DeltaModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIModel):

@@ -4,15 +4,16 @@ starting its engine requests (errors as OpenAI error bodies), and the usage bloc
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
 from specserve.engine.outputs import RequestOutput
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 from specserve.server.async_engine import (
     AsyncLLM, EngineDeadError, QueueFullError, RequestAbortedError, RequestStream)
-from specserve.server.protocol import SamplingFields, SpeculationUsage, UsageInfo
+from specserve.server.protocol import OutputConstraint, SamplingFields, SpeculationUsage, UsageInfo
 
 RETRY_AFTER_S = 1
 # Logprobs of tokens the model gives zero probability are clamped to this (JSON has no -inf).
@@ -86,23 +87,36 @@ class ServingContext:
                               code="context_length_exceeded")
         return requested
 
-    def sampling_params(self, request: SamplingFields, max_tokens: int, renames: dict[str, str]) -> SamplingParams:
+    def sampling_params(self, request: SamplingFields, max_tokens: int, renames: dict[str, str],
+                        constraint: OutputConstraint | None = None) -> SamplingParams:
         """request.to_sampling_params, with SamplingParams' ValueError ("<field> must be ...") turned into a
-        400 naming the request's own field (`renames` maps SamplingParams names to the request's)."""
+        400 naming the request's own field (`renames` maps SamplingParams names to the request's);
+        `constraint` (see `single_constraint`) becomes its structured_outputs."""
         for t in request.stop_token_ids or ():
             if t >= self.vocab_size:
                 raise bad_request(f"stop_token_ids must be < {self.vocab_size} (the vocabulary size), got {t}",
                                   "stop_token_ids")
+        structured = None
+        if constraint is not None:
+            try:
+                structured = StructuredOutputsParams.coerce(constraint.fields)
+            except ValueError as exc:
+                raise constraint_error(constraint, exc) from exc
         try:
-            return request.to_sampling_params(max_tokens)
+            return request.to_sampling_params(max_tokens, structured)
         except ValueError as exc:
             field_name = str(exc).split(" ", 1)[0]
             raise bad_request(str(exc), renames.get(field_name, field_name)) from exc
 
-    async def start(self, request_id: str, prompt: dict, params: SamplingParams, param: str) -> RequestStream:
+    async def start(self, request_id: str, prompt: dict, params: SamplingParams, param: str,
+                    constraint: OutputConstraint | None = None) -> RequestStream:
+        """Add the request; a ValueError is a 400 naming `param`, or `constraint`'s field when the engine
+        refused the structured output spec (its errors start "structured_outputs")."""
         try:
             return await self.engine.add_request(request_id, prompt, params)
         except ValueError as exc:
+            if constraint is not None and str(exc).startswith("structured_outputs"):
+                raise constraint_error(constraint, exc) from exc
             raise bad_request(str(exc), param) from exc
         except QueueFullError as exc:
             raise APIError(503, str(exc), type="server_overloaded", code="queue_full",
@@ -110,12 +124,13 @@ class ServingContext:
         except EngineDeadError as exc:
             raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from exc
 
-    async def start_all(self, jobs: list[tuple[str, dict, SamplingParams]], param: str) -> list[RequestStream]:
+    async def start_all(self, jobs: list[tuple[str, dict, SamplingParams]], param: str,
+                        constraint: OutputConstraint | None = None) -> list[RequestStream]:
         """Start every request or none: if one is refused, the ones already started are aborted."""
         streams: list[RequestStream] = []
         try:
             for request_id, prompt, params in jobs:
-                streams.append(await self.start(request_id, prompt, params, param))
+                streams.append(await self.start(request_id, prompt, params, param, constraint))
         except BaseException:
             for stream in streams:
                 self.engine.abort(stream.request_id)
@@ -126,6 +141,23 @@ class ServingContext:
 def unsupported(value, param: str, what: str) -> None:
     if value:
         raise bad_request(f"{param} is not supported ({what})", param)
+
+
+def single_constraint(constraints: list[OutputConstraint]) -> OutputConstraint | None:
+    """The request's one output constraint, or None; two or more are a 400 naming them."""
+    if len(constraints) > 1:
+        names = [c.param for c in constraints]
+        raise bad_request(f"{', '.join(names[:-1])} and {names[-1]} each constrain the output; send only one",
+                          names[-1])
+    return constraints[0] if constraints else None
+
+
+def constraint_error(constraint: OutputConstraint, exc: ValueError) -> APIError:
+    """A 400 for a refused structured output spec, naming the request field it came from."""
+    message = str(exc)
+    if constraint.label is not None:
+        message = re.sub(r"^structured_outputs(\.\w+)?", lambda _: constraint.label, message)
+    return bad_request(message, constraint.param)
 
 
 # ------------------------------------------------------------------------------------------- results

@@ -12,7 +12,7 @@ import torch
 
 from specserve.models.qwen2_vl import MRopePositions
 from specserve.ops.attention import AttentionMetadata, build_attention_metadata, kv_caches, slot_ids
-from specserve.ops.kernels import kernel_usable
+from specserve.ops.kernels import argmax_rows, kernel_usable
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_targets
 from specserve.sample.sampler import Sampler
@@ -22,6 +22,7 @@ from specserve.spec_decode.policy import DraftOption, DraftPolicy
 from specserve.spec_decode.proposer import (DraftInputs, DrafterNeeds, KVCacheSpec, Proposer, TargetInfo,
                                             TargetStates, make_proposer)
 from specserve.types import SchedulerOutput, max_draft_tokens
+from specserve.worker.structured import GrammarRequests
 from specserve.worker.threads import ThreadPolicy
 
 
@@ -122,6 +123,8 @@ class ModelRunner:
         self.draft_probs: dict[str, torch.Tensor] = {}  # [n, vocab] of drafts awaiting verification
         self.draft_sources: dict[str, int] = {}  # the policy option that made the drafts awaiting verification
         self.finished_since_draft: set[str] = set()
+        self.grammars = GrammarRequests()
+        self.forced_drafts: set[str] = set()  # requests whose drafts awaiting verification the grammar forced
 
     @property
     def drafter_needs(self) -> DrafterNeeds | None:
@@ -174,6 +177,8 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self.draft_probs.pop(rid, None)
             self.draft_sources.pop(rid, None)
+            self.grammars.forget(rid)
+            self.forced_drafts.discard(rid)
             if self.drafter_kv is not None:
                 self.drafter_kv.forget(rid)  # its blocks are gone with the request's
             if rid not in sched.preempted_req_ids:
@@ -187,6 +192,8 @@ class ModelRunner:
                 mm_features=list(new.mm_features))
             if state.mm_features:
                 state.mrope = self.model.prompt_positions(len(state.prompt_token_ids), state.mm_features)
+            if new.grammar is not None:
+                self.grammars.start(new.req_id, new.grammar, state.output_token_ids)
             if self.drafter_kv is not None:
                 self.drafter_kv.start(new.req_id, new.num_computed_tokens)
         for cached in sched.scheduled_cached_reqs:
@@ -289,26 +296,34 @@ class ModelRunner:
             return sampled, {}
         meta = self._sampling_metadata(batch.sample_req_ids)
         spec, lp = batch.spec_decode_metadata, None
+        # structured outputs: the grammar's allowed tokens at every sampled or verified row
+        masks = self.grammars.logits_masks(batch.sample_req_ids, batch.draft_token_ids) if self.grammars else []
         if meta.argmax_only:  # greedy without penalties or logprobs: the argmax alone, not the logits
-            targets = self.model.greedy_tokens(hidden)  # [M]
+            targets = (argmax_rows(self.grammars.apply(self.model.compute_logits(hidden), masks)) if masks
+                       else self.model.greedy_tokens(hidden))  # [M]
             tokens = ([[t] for t in targets.tolist()] if spec is None
                       else verify_argmax_targets(spec, targets).token_ids)
         elif spec is None:
-            out = self.sampler(self.model.compute_logits(hidden), meta)
+            out = self.sampler(self.grammars.apply(self.model.compute_logits(hidden), masks), meta)
             tokens, lp = [[t] for t in out.sampled_token_ids.tolist()], out.logprobs
         else:
             probs = [self.draft_probs.pop(rid, None) for rid in batch.sample_req_ids]
             probs = [p[: len(d)] if p is not None else None for p, d in zip(probs, batch.draft_token_ids)]
-            out = self.rejection_sampler(spec, self.model.compute_logits(hidden), meta,
+            out = self.rejection_sampler(spec, self.grammars.apply(self.model.compute_logits(hidden), masks), meta,
                                          probs if any(p is not None for p in probs) else None)
             tokens, lp = out.token_ids, out.logprobs
         if spec is not None:
             for rid, drafts, toks in zip(batch.sample_req_ids, batch.draft_token_ids, tokens):
                 self.draft_probs.pop(rid, None)
-                self.draft_policy.record(rid, len(drafts), len(toks) - 1, self.draft_sources.pop(rid, 0))
+                source = self.draft_sources.pop(rid, 0)
+                if drafts and rid not in self.forced_drafts:  # forced drafts teach the policy nothing
+                    self.draft_policy.record(rid, len(drafts), len(toks) - 1, source)
+        self.forced_drafts.difference_update(batch.sample_req_ids)
         for rid, toks in zip(batch.sample_req_ids, tokens):
             sampled[rid] = toks
             self.requests[rid].append(toks)
+            if rid in self.grammars:
+                self.grammars.accept(rid, toks)
         logprobs = self._logprob_entries(batch.sample_req_ids, tokens, lp) if lp else {}
         return sampled, logprobs
 
@@ -337,10 +352,12 @@ class ModelRunner:
             return None
         calibrating = not self.draft_policy.drafts_this_step(len(batch.req_ids))
         states = [self.requests[rid] for rid in batch.sample_req_ids]
+        forced = self._forced_drafts(states) if self.grammars else {}
         # a plain calibration step leaves seeded requests alone: their drafts depend on their own history only
-        plans = [[] if calibrating and s.generator is None else self._draft_plan(s) for s in states]
+        plans = [[] if (calibrating and s.generator is None) or s.req_id in forced else self._draft_plan(s)
+                 for s in states]
         if not any(plans) and self.proposer.needs.target_states is not TargetStates.ALL:
-            return {}  # nothing pays: no drafting work (a drafter that keeps state catches up when it next drafts)
+            return forced  # nothing pays: no drafting work (a drafter that keeps state catches up when it next drafts)
         inputs = self._build_draft_inputs(batch, sampled, hidden, aux, plans)
         start = time.perf_counter()
         drafts = self.proposer.propose(inputs)
@@ -349,11 +366,27 @@ class ModelRunner:
                     (0, sum(map(len, drafts.token_ids)), time.perf_counter() - start)]:
                 self.draft_policy.observe_drafting(num_tokens, seconds, option)
         for i, rid in enumerate(inputs.req_ids):
+            if rid in self.grammars:  # no verification spent on a token the grammar refuses
+                drafts.token_ids[i] = drafts.token_ids[i][:self.grammars.allowed_prefix(rid, drafts.token_ids[i])]
             if drafts.probs is not None and drafts.probs[i] is not None and drafts.token_ids[i]:
                 self.draft_probs[rid] = drafts.probs[i]
             if drafts.sources is not None and drafts.sources[i] is not None:
                 self.draft_sources[rid] = drafts.sources[i]
-        return {rid: d for rid, d in zip(inputs.req_ids, drafts.token_ids) if d}
+        return {**{rid: d for rid, d in zip(inputs.req_ids, drafts.token_ids) if d}, **forced}
+
+    def _forced_drafts(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
+        """Drafts no drafter is needed for: the tokens a request's grammar forces next (their target
+        probability is 1, so verification accepts them), up to the request's draft length."""
+        forced = {}
+        for state in states:
+            k = getattr(state.sampling_params, "num_speculative_tokens", None)
+            k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
+            tokens = self.grammars.forced_tokens(state.req_id, min(k, max_draft_tokens(len(state.token_ids),
+                                                                                         self.max_model_len)))
+            if tokens:
+                forced[state.req_id] = tokens
+                self.forced_drafts.add(state.req_id)
+        return forced
 
     def _draft_plan(self, state: CachedRequestState) -> list[tuple[int, int]]:
         """The engine's k, lowered (or turned off with 0) per request by SamplingParams, then the policy's

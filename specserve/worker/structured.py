@@ -1,0 +1,69 @@
+"""The runner's structured-output state: one grammar matcher per constrained request, masking the logits rows
+it samples or verifies, advancing by the tokens it accepts, and shaping its drafts (cut at the first token the
+grammar refuses; the tokens the grammar forces, drafted for free)."""
+from __future__ import annotations
+
+import torch
+
+
+class GrammarRequests:
+    """Grammar matchers of the running requests that have structured_outputs."""
+
+    def __init__(self) -> None:
+        self.matchers: dict[str, object] = {}  # req_id → structured.grammar.GrammarMatcher
+
+    def __bool__(self) -> bool:
+        return bool(self.matchers)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.matchers
+
+    def start(self, req_id: str, compiled, output_token_ids: list[int]) -> None:
+        """A new (or resumed) request: a fresh matcher, advanced over the outputs it already has."""
+        from specserve.structured.grammar import GrammarMatcher
+
+        matcher = GrammarMatcher(compiled)
+        _advance(matcher, list(output_token_ids), req_id)
+        self.matchers[req_id] = matcher
+
+    def forget(self, req_id: str) -> None:
+        self.matchers.pop(req_id, None)
+
+    def logits_masks(self, req_ids: list[str], drafts: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
+        """[(first logits row, allowed [n + 1, vocab] bool)] of the constrained requests among req_ids,
+        whose logits rows are laid out n + 1 per request with n drafts (1 without drafts)."""
+        masks, row = [], 0
+        for rid, d in zip(req_ids, drafts):
+            matcher = self.matchers.get(rid)
+            if matcher is not None:
+                masks.append((row, matcher.allowed_masks(d) if d else matcher.allowed_mask().unsqueeze(0)))
+            row += len(d) + 1
+        return masks
+
+    @staticmethod
+    def apply(logits: torch.Tensor, masks: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """logits [M, vocab], in place: tokens a grammar refuses get -inf."""
+        for row, allowed in masks:
+            logits[row:row + allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
+        return logits
+
+    def accept(self, req_id: str, token_ids: list[int]) -> None:
+        matcher = self.matchers.get(req_id)
+        if matcher is not None:
+            _advance(matcher, token_ids, req_id)
+
+    def allowed_prefix(self, req_id: str, draft_ids: list[int]) -> int:
+        """How many leading drafts the request's grammar allows (all, for an unconstrained request)."""
+        matcher = self.matchers.get(req_id)
+        return len(draft_ids) if matcher is None else matcher.validate(draft_ids)
+
+    def forced_tokens(self, req_id: str, max_tokens: int) -> list[int]:
+        """The next tokens the request's grammar leaves no choice about (at most max_tokens)."""
+        matcher = self.matchers.get(req_id)
+        return matcher.forced_tokens(max_tokens) if matcher is not None and max_tokens > 0 else []
+
+
+def _advance(matcher, token_ids: list[int], req_id: str) -> None:
+    """Accept tokens the masks allowed (past an accepted EOS, with ignore_eos, the grammar takes nothing more)."""
+    if matcher.accept(token_ids) != len(token_ids) and not matcher.is_terminated():
+        raise RuntimeError(f"request {req_id}: token ids {token_ids} do not follow its grammar")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHMARKS = ("throughput", "latency", "serve", "load")  # module names under specserve.bench
+BENCHMARKS = ("throughput", "latency", "serve", "load", "structured")  # module names under specserve.bench
 
 
 def add_bench_parser(sub) -> None:

@@ -273,13 +273,16 @@ class FastLinear(torch.nn.Module):
             self._screen = kernels.pack_argmax_screen(self.dense_weight())
         return True
 
-    def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] -> [M] int64, exactly ``self(x).argmax(-1)`` (see kernels.lm_head_argmax); after
-        ``enable_exact_argmax``, a quarter of the weight bytes for a greedy step's LM head."""
+    def argmax(self, x: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, in] -> [M] int64, exactly ``self(x).argmax(-1)`` (see kernels.lm_head_argmax), or with allowed
+        [M, out] bool the argmax over the allowed columns; after ``enable_exact_argmax``, a quarter of the
+        weight bytes for a greedy step's LM head."""
         x = x.reshape(-1, self.in_features).contiguous()
         if self._screen is None:
-            return kernels.argmax_rows(self(x))
-        return kernels.lm_head_argmax(x, self._w_blocks, *self._screen)
+            y = self(x)
+            return kernels.argmax_rows(y if allowed is None else y.masked_fill(~allowed, float("-inf")))
+        return kernels.lm_head_argmax(x, self._w_blocks, *self._screen,
+                                      allowed=None if allowed is None else allowed.contiguous())
 
     def c_operands(self) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]] | None:
         """(packed weight, int8 scales or None, bias or None) when every call takes a C GEMM, else None:

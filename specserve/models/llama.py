@@ -278,10 +278,12 @@ class LlamaForCausalLM:
         """hidden: [M, hidden] → logits [M, vocab] (float32)."""
         return self.lm_head(hidden).float()
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+    def greedy_tokens(self, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [M, hidden] → [M] int64, exactly argmax(compute_logits(hidden)) row by row (the first
         maximum), without the full logits where the head screens through its int8 copy: ~0.42 vs 2.3 ms
-        for SmolLM2's head at one row, ~1.0 at nine (csrc/greedy.c)."""
+        for SmolLM2's head at one row, ~1.0 at nine (csrc/greedy.c). allowed: None, or [M, vocab] bool
+        (structured output): the argmax with the other logits at -inf."""
         if self.exact_argmax:
-            return self.lm_head.argmax(hidden)
-        return kernels.argmax_rows(self.compute_logits(hidden))
+            return self.lm_head.argmax(hidden, allowed)
+        logits = self.compute_logits(hidden)
+        return kernels.argmax_rows(logits if allowed is None else logits.masked_fill(~allowed, float("-inf")))

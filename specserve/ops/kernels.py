@@ -122,7 +122,7 @@ def _bind(lib):
         "gemm_packed_f32": ([ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "gemm_packed_i8": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "argmax_rows_f32": ([ptr, i64, i64, ptr], None),
-        "lm_head_argmax_f32": ([ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr], ctypes.c_int),
+        "lm_head_argmax_f32": ([ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr], ctypes.c_int),
         "ngram_match_i64": ([ptr, i64, i64, i64, i64], ctypes.c_int64),
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
                                  i64, i64, i64, i64, f32, f32, ptr, i64, ptr], ctypes.c_int),
@@ -285,18 +285,23 @@ def pack_argmax_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def lm_head_argmax(x: torch.Tensor, packed: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                   col_sum: torch.Tensor, w_l1: torch.Tensor) -> torch.Tensor:
+                   col_sum: torch.Tensor, w_l1: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M] int64: torch.argmax of gemm_packed(x, packed, None, N) per row, exactly, screened
-    through pack_argmax_screen's int8 copy (q, scale, col_sum, w_l1) of the same weight (csrc/greedy.c)."""
+    through pack_argmax_screen's int8 copy (q, scale, col_sum, w_l1) of the same weight (csrc/greedy.c);
+    with allowed [M, N] bool, the argmax of the logits where the others are -inf."""
     _check(x=x, packed=packed, scale=scale)
     _check(torch.int8, q=q)
     _check(torch.int32, col_sum=col_sum)
     _check(torch.float64, w_l1=w_l1)
     rows, k = x.shape
+    if allowed is not None:
+        _check(torch.bool, allowed=allowed)
+        if allowed.shape != (rows, scale.shape[0]):
+            raise ValueError(f"allowed must be [{rows}, {scale.shape[0]}], got {list(allowed.shape)}")
     out = torch.empty(rows, dtype=torch.int64)
     if rows and _lib().lm_head_argmax_f32(x.data_ptr(), packed.data_ptr(), q.data_ptr(), scale.data_ptr(),
-                                         col_sum.data_ptr(), w_l1.data_ptr(), rows, k, scale.shape[0],
-                                         out.data_ptr()):
+                                         col_sum.data_ptr(), w_l1.data_ptr(), _ptr(allowed), rows, k,
+                                         scale.shape[0], out.data_ptr()):
         raise MemoryError("lm_head_argmax: out of memory for its work buffers")
     return out
 

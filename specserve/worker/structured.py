@@ -47,6 +47,14 @@ class GrammarRequests:
             logits[row:row + allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
         return logits
 
+    @staticmethod
+    def allowed_rows(masks: list[tuple[int, torch.Tensor]], num_rows: int, vocab_size: int) -> torch.Tensor:
+        """The masks as one [num_rows, vocab] bool (rows of unconstrained requests allow everything)."""
+        allowed = torch.ones(num_rows, vocab_size, dtype=torch.bool)
+        for row, rows in masks:
+            allowed[row:row + rows.shape[0]] = rows
+        return allowed
+
     def accept(self, req_id: str, token_ids: list[int]) -> None:
         matcher = self.matchers.get(req_id)
         if matcher is not None:

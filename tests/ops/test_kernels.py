@@ -179,6 +179,32 @@ def test_lm_head_argmax_is_the_argmax_of_the_fp32_logits(seed):
 
 
 @requires_c_kernels
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lm_head_argmax_under_a_mask_is_the_argmax_of_the_masked_logits(seed):
+    """Structured output's masks: the screened argmax over the allowed columns equals torch.argmax of the
+    logits with the others at -inf, whatever the mask: dense, sparse, only low logits, one column, the tied
+    columns' second, none (the first column, as torch gives for a row of -inf)."""
+    g, w, packed, screen = _lm_head_case(seed)
+    n = w.shape[0]
+    x = torch.randn(12, w.shape[1], generator=g) * torch.rand(12, 1, generator=g) * 4
+    x[3] = w[1900] * 50
+    logits = kernels.gemm_packed(x, packed, None, n)
+    allowed = torch.rand(12, n, generator=g) < torch.tensor([0.5, 0.01, 0.9, 0.3] * 3).unsqueeze(1)
+    allowed[4] = logits[4] < logits[4].median()  # only the lower half of the logits
+    allowed[5] = False
+    allowed[5, 1234] = True  # one column
+    allowed[6] = False  # none
+    allowed[3] = True
+    allowed[3, 7] = False  # the tied maximum's first column (7) refused: its twin (1900) wins
+    expected = logits.masked_fill(~allowed, float("-inf")).argmax(dim=-1)
+    assert torch.equal(kernels.lm_head_argmax(x, packed, *screen, allowed=allowed), expected)
+    assert expected[3] == 1900 and expected[5] == 1234 and expected[6] == 0
+    for rows in (1, 5, 12):
+        xr, ar = x[:rows].contiguous(), allowed[:rows].contiguous()
+        assert torch.equal(kernels.lm_head_argmax(xr, packed, *screen, allowed=ar), expected[:rows])
+
+
+@requires_c_kernels
 @pytest.mark.parametrize("n,k", [(1001, 61), (17, 5), (48, 64)])
 def test_lm_head_argmax_on_ragged_shapes_and_outlier_activations(n, k):
     """Vocabulary sizes that do not fill the screen's 16-column blocks and widths that do not fill its

@@ -54,12 +54,17 @@ static float packed_column(const float *x, const float *packed, int64_t K, int64
     return acc[n % 16];
 }
 
-/* The full row through the fp32 GEMM, then torch.argmax's answer (rare: its buffer is allocated here).
+/* The full row through the fp32 GEMM, then torch.argmax's answer over the allowed columns (all when allowed
+ * is NULL; a row allowing none gets 0, as torch.argmax of all -inf). Rare: its buffer is allocated here.
  * Returns 0, or 1 when the buffer could not be allocated. */
-static int full_row(const float *x, const float *packed, int64_t K, int64_t N, int64_t *out) {
+static int full_row(const float *x, const float *packed, int64_t K, int64_t N, const uint8_t *allowed,
+                    int64_t *out) {
     float *y = malloc(sizeof(float) * N);
     if (!y) return 1;
     gemm_packed_f32(x, packed, NULL, y, 1, K, N);
+    if (allowed)
+        for (int64_t n = 0; n < N; n++)
+            if (!allowed[n]) y[n] = -INFINITY;
     argmax_rows_f32(y, 1, N, out);
     free(y);
     return 0;
@@ -177,7 +182,7 @@ static void screen_dots(const uint8_t *xu, int64_t R, int64_t K4, const int8_t *
  * row could not allocate its buffer. */
 static int row_argmax(const float *x, const float *packed, const float *scale, const int32_t *col_sum,
                       const double *w_l1, const int32_t *d1, const int32_t *d2, const double row[4], int64_t K,
-                      int64_t N, int64_t *out) {
+                      int64_t N, const uint8_t *allowed, int64_t *out) {
     const double t = row[0], t2 = row[1], e = row[2], l1 = row[3]; /* see lm_head_argmax_f32 */
     const double u = 0x1p-24, gamma = K * u / (1.0 - K * u);
     /* 1e-3 on top covers the scales' own rounding and this arithmetic */
@@ -191,24 +196,24 @@ static int row_argmax(const float *x, const float *packed, const float *scale, c
         double low_max = -INFINITY, high_max = -INFINITY;
 #pragma omp simd reduction(max : low_max, high_max)
         for (int64_t n = g * SCAN; n < n1; n++) {
-            const double v = SCREENED(n), b = BOUND(n);
-            low_max = v - b > low_max ? v - b : low_max;
-            high_max = v + b > high_max ? v + b : high_max;
+            const double v = SCREENED(n), b = BOUND(n), on = allowed && !allowed[n] ? -INFINITY : 0.0;
+            low_max = v - b + on > low_max ? v - b + on : low_max;
+            high_max = v + b + on > high_max ? v + b + on : high_max;
         }
         threshold = low_max > threshold ? low_max : threshold;
         group_high[g] = high_max;
     }
-    if (!isfinite(threshold)) return full_row(x, packed, K, N, out);
+    if (!isfinite(threshold)) return full_row(x, packed, K, N, allowed, out);
     int64_t best = -1, count = 0;
     float best_value = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
         if (!(group_high[g] >= threshold)) continue; /* NaN-safe: such a group is looked at */
         const int64_t n1 = (g + 1) * SCAN < N ? (g + 1) * SCAN : N;
         for (int64_t n = g * SCAN; n < n1; n++) {
-            if (SCREENED(n) + BOUND(n) < threshold) continue;
-            if (++count > MAX_CANDIDATES) return full_row(x, packed, K, N, out);
+            if ((allowed && !allowed[n]) || SCREENED(n) + BOUND(n) < threshold) continue;
+            if (++count > MAX_CANDIDATES) return full_row(x, packed, K, N, allowed, out);
             const float v = packed_column(x, packed, K, n);
-            if (v != v) return full_row(x, packed, K, N, out); /* NaN: torch.argmax reports the first */
+            if (v != v) return full_row(x, packed, K, N, allowed, out); /* NaN: torch.argmax reports the first */
             if (best < 0 || v > best_value) {
                 best = n;
                 best_value = v;
@@ -223,9 +228,12 @@ static int row_argmax(const float *x, const float *packed, const float *scale, c
 
 /* x: [M, K]; packed: W [N, K] in gemm_packed_f32's blocks; the screen (see the top of this file): q packed as
  * [ceil(N / 16)][ceil(K / 4)][16][4] int8, scale [N] (max |W[n]| / 127), col_sum [N] (sum_k q[n, k]), w_l1 [N]
- * (sum_k |W[n, k]|); out: [M] int64. Returns 0, or 1 when a work buffer could not be allocated. */
+ * (sum_k |W[n, k]|); allowed: NULL, or [M, N] bytes, nonzero where a column may win (structured output's
+ * masks: the argmax of the logits with the others at -inf); out: [M] int64. Returns 0, or 1 when a work buffer
+ * could not be allocated. */
 int lm_head_argmax_f32(const float *x, const float *packed, const int8_t *q, const float *scale,
-                       const int32_t *col_sum, const double *w_l1, int64_t M, int64_t K, int64_t N, int64_t *out) {
+                       const int32_t *col_sum, const double *w_l1, const uint8_t *allowed, int64_t M, int64_t K,
+                       int64_t N, int64_t *out) {
     const int64_t K4 = (K + 3) / 4, Np = (N + SCREEN_COLS - 1) / SCREEN_COLS * SCREEN_COLS;
     uint8_t *xu = malloc(2 * M * K4 * 4 + 1);
     int32_t *dots = malloc(sizeof(int32_t) * (2 * M * Np + 1));
@@ -247,11 +255,12 @@ int lm_head_argmax_f32(const float *x, const float *packed, const int8_t *q, con
     int failed = 0;
 #pragma omp parallel for if (M > 1) reduction(| : failed)
     for (int64_t m = 0; m < M; m++) {
+        const uint8_t *row_allowed = allowed ? allowed + m * N : NULL;
         if (!isfinite(rows[4 * m + 3]))
-            failed |= full_row(x + m * K, packed, K, N, out + m);
+            failed |= full_row(x + m * K, packed, K, N, row_allowed, out + m);
         else
             failed |= row_argmax(x + m * K, packed, scale, col_sum, w_l1, dots + 2 * m * Np, dots + (2 * m + 1) * Np,
-                                 rows + 4 * m, K, N, out + m);
+                                 rows + 4 * m, K, N, row_allowed, out + m);
     }
     free(xu), free(dots), free(rows);
     return failed;

@@ -12,7 +12,7 @@ import torch
 
 from specserve.models.qwen2_vl import MRopePositions
 from specserve.ops.attention import AttentionMetadata, build_attention_metadata, kv_caches, slot_ids
-from specserve.ops.kernels import argmax_rows, kernel_usable
+from specserve.ops.kernels import kernel_usable
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_targets
 from specserve.sample.sampler import Sampler
@@ -299,8 +299,8 @@ class ModelRunner:
         # structured outputs: the grammar's allowed tokens at every sampled or verified row
         masks = self.grammars.logits_masks(batch.sample_req_ids, batch.draft_token_ids) if self.grammars else []
         if meta.argmax_only:  # greedy without penalties or logprobs: the argmax alone, not the logits
-            targets = (argmax_rows(self.grammars.apply(self.model.compute_logits(hidden), masks)) if masks
-                       else self.model.greedy_tokens(hidden))  # [M]
+            targets = self.model.greedy_tokens(hidden, self.grammars.allowed_rows(masks, hidden.shape[0],
+                                                                                    self.vocab_size) if masks else None)
             tokens = ([[t] for t in targets.tolist()] if spec is None
                       else verify_argmax_targets(spec, targets).token_ids)
         elif spec is None:

@@ -1,5 +1,7 @@
 import specserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 
+import gc
+
 import pytest
 import torch
 
@@ -18,6 +20,14 @@ def pytest_runtest_call(item):
     # At call time, not setup: a build failure under SPECSERVE_KERNELS=c reports as the test FAILED.
     if item.get_closest_marker("requires_c_kernels"):
         require_c_kernels()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_engines_after_each_module():
+    """Engines hold their KV cache (up to a GiB each) until collected; reference cycles would keep a
+    module's engines alive into the next ones and add up in the one pytest process."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -53,7 +53,7 @@ class DraftModelProposer:
         if not rows:
             return Drafts([[] for _ in inputs.req_ids])
         logits = self._catch_up(inputs, kv, rows)  # [len(rows), vocab], one row per drafting request
-        return draft_chains(inputs, rows, logits, lambda live, state: self._draw(inputs, live, state),
+        return draft_chains(inputs, rows, logits, lambda live, state, allowed: self._draw(inputs, live, state, allowed),
                             lambda live, last, step: self._advance(inputs, kv, live, last, step))
 
     # ---- forward passes ------------------------------------------------------------------
@@ -95,10 +95,12 @@ class DraftModelProposer:
         positions = self._positions(inputs, [(i, p, p + 1) for i, p in zip(rows, index)])
         return self._forward(kv, last_tokens, positions, [1] * len(rows), [p + 1 for p in index], tables)
 
-    def _draw(self, inputs: DraftInputs, rows: list[int], logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
-        """logits: [len(rows), vocab] -> one draft per row, and q where any row samples."""
+    def _draw(self, inputs: DraftInputs, rows: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None
+              ) -> tuple[list[int], torch.Tensor | None]:
+        """logits: [len(rows), vocab] -> one draft per row (where the grammar allows, given allowed), and q
+        where any row samples."""
         meta = draft_sampling_metadata(inputs, rows, self.model.config.vocab_size)
-        return draw(meta, lambda: argmax_rows(logits), lambda: logits)
+        return draw(meta, lambda: argmax_rows(logits), lambda: logits, allowed)
 
 
 class _TargetKV:

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from specserve.ops.kernels import argmax_rows
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_probs, random_sample
 from specserve.spec_decode.proposer import DraftInputs, Drafts
@@ -24,23 +25,28 @@ def draft_sampling_metadata(inputs: DraftInputs, rows: list[int], vocab_size: in
     )
 
 
-def draw(meta: SamplingMetadata, argmax: Callable[[], torch.Tensor], logits: Callable[[], torch.Tensor]
-         ) -> tuple[list[int], torch.Tensor | None]:
-    """argmax() -> [rows] token ids; logits() -> [rows, vocab] over the target vocabulary. Returns the
-    drafts and, unless every row is greedy, q [rows, vocab] (greedy rows one-hot)."""
-    if meta.all_greedy:
+def draw(meta: SamplingMetadata, argmax: Callable[[], torch.Tensor], logits: Callable[[], torch.Tensor],
+         allowed: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
+    """argmax() -> [rows] token ids; logits() -> [rows, vocab] over the target vocabulary; allowed: None, or
+    [rows, vocab] bool (structured output: drafts only where the grammar allows, q renormalised there).
+    Returns the drafts and, unless every row is greedy, q [rows, vocab] (greedy rows one-hot)."""
+    if allowed is None and meta.all_greedy:
         return argmax().tolist(), None
-    probs = compute_probs(logits(), meta)
+    scores = logits() if allowed is None else logits().masked_fill(~allowed, float("-inf"))
+    if meta.all_greedy:
+        return argmax_rows(scores).tolist(), None
+    probs = compute_probs(scores, meta)
     return random_sample(probs, meta.generators).tolist(), probs
 
 
 def draft_chains(inputs: DraftInputs, rows: list[int], state: torch.Tensor,
-                 draw_rows: Callable[[list[int], torch.Tensor], tuple[list[int], torch.Tensor | None]],
+                 draw_rows: Callable[[list[int], torch.Tensor, torch.Tensor | None], tuple[list[int], torch.Tensor | None]],
                  advance: Callable[[list[int], list[int], int], torch.Tensor]) -> Drafts:
     """Up to num_drafts[i] drafts for each request i in `rows`, one token a step.
 
     state: [len(rows), ...] what the first draft is drawn from (logits, or a head's hidden states);
-    draw_rows(live, state) -> (one token per live row, q or None); advance(live, last tokens, step) -> the
+    draw_rows(live, state, allowed) -> (one token per live row, q or None), allowed being None or the
+    grammar's [len(live), vocab] mask after each row's drafts so far; advance(live, last tokens, step) -> the
     next state of the live rows, after feeding each its newest draft. Only rows still drafting draw, so a
     seeded request's draws never depend on its batch-mates.
     """
@@ -48,7 +54,7 @@ def draft_chains(inputs: DraftInputs, rows: list[int], state: torch.Tensor,
     step_probs: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
     live, step = rows, 0
     while live:
-        tokens, p = draw_rows(live, state)
+        tokens, p = draw_rows(live, state, _allowed(inputs, live, drafts))
         for j, i in enumerate(live):
             drafts[i].append(tokens[j])
             if p is not None:
@@ -62,3 +68,15 @@ def draft_chains(inputs: DraftInputs, rows: list[int], state: torch.Tensor,
         if step_probs[i] and not inputs.sampling_params[i].is_greedy:
             probs[i] = torch.stack(step_probs[i])
     return Drafts(drafts, probs)
+
+
+def _allowed(inputs: DraftInputs, live: list[int], drafts: list[list[int]]) -> torch.Tensor | None:
+    """[len(live), vocab] bool: each live row's grammar mask after its drafts so far (all True for a row
+    without one); None when no live row has a grammar."""
+    if inputs.allowed_next is None:
+        return None
+    masks = [inputs.allowed_next(i, drafts[i]) for i in live]
+    if all(m is None for m in masks):
+        return None
+    vocab = next(m for m in masks if m is not None).shape[0]
+    return torch.stack([m if m is not None else torch.ones(vocab, dtype=torch.bool) for m in masks])

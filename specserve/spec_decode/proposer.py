@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -101,6 +101,9 @@ class DraftInputs:
     # [B] (empty when no request has images) each request's M-RoPE positions when its prompt has images
     # (models.qwen2_vl.MRopePositions), else None: see positions().
     mrope_positions: list = field(default_factory=list)
+    # Structured output: allowed_next(i, drafts so far) -> [vocab] bool, the tokens request i's grammar
+    # allows after its history and those drafts, or None for a request without one (None: no request has).
+    allowed_next: Callable[[int, list[int]], torch.Tensor | None] | None = None
 
     def positions(self, i: int, start: int, end: int, mrope: bool) -> torch.Tensor:
         """Positions of request i's token indices start..end-1 (history, then drafts) as the target would

@@ -431,6 +431,7 @@ class ModelRunner:
             finished_req_ids=finished,
             drafter_kv=self.drafter_kv,
             mrope_positions=[s.mrope for s in states] if any(s.mrope is not None for s in states) else [],
+            allowed_next=self.grammars.allowed_next(list(req_ids)) if self.grammars else None,
         )
         needs = self.proposer.needs
         if needs.kv is not None or needs.reads_target_kv:  # its slots follow the target's block tables

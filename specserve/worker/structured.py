@@ -55,6 +55,23 @@ class GrammarRequests:
             allowed[row:row + rows.shape[0]] = rows
         return allowed
 
+    def allowed_next(self, req_ids: list[str]):
+        """DraftInputs.allowed_next for a drafting call over req_ids: (row, drafts so far) -> the row's
+        grammar mask after them, or None for an unconstrained request."""
+        def allowed(i: int, drafts: list[int]) -> torch.Tensor | None:
+            matcher = self.matchers.get(req_ids[i])
+            if matcher is None:
+                return None
+            accepted = matcher.accept(drafts)  # short of all only past an EOS (the grammar then allows EOS)
+            try:
+                if accepted != len(drafts) and not matcher.is_terminated():
+                    raise RuntimeError(f"request {req_ids[i]}: a draft broke its grammar")
+                return matcher.allowed_mask()
+            finally:
+                matcher.rollback(accepted)
+
+        return allowed
+
     def accept(self, req_id: str, token_ids: list[int]) -> None:
         matcher = self.matchers.get(req_id)
         if matcher is not None:

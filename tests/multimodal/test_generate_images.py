@@ -17,7 +17,7 @@ from tests.multimodal.tiny_vl import IMAGE_PAD, image_prompt, save_tiny_vl, tiny
 from tests.tiny_models import save_hf_folder, tiny_hf_model
 
 KINDS = ["qwen2_vl", "qwen2_5_vl"]
-ENGINE = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, block_size=8)
+ENGINE = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, block_size=8, kv_cache_memory_bytes=64 << 20)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 

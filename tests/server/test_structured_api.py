@@ -41,14 +41,15 @@ WEATHER_CHAT = [{"role": "user", "content": "What is the weather like in Paris t
 
 @pytest.fixture(scope="module")
 def plain():
-    proc = ServerProcess("--max-model-len", str(MAX_MODEL_LEN))
+    proc = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(256 << 20))
     yield proc
     proc.stop()
 
 
 @pytest.fixture(scope="module")
 def spec():
-    proc = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--speculative-config", json.dumps(SPEC))
+    proc = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(256 << 20),
+                         "--speculative-config", json.dumps(SPEC))
     yield proc
     proc.stop()
 

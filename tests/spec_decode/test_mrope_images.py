@@ -12,7 +12,7 @@ from tests.models.drafter_checkpoints import write_eagle, write_eagle3, write_me
 from tests.multimodal.test_generate_images import IMAGES
 from tests.multimodal.tiny_vl import image_prompt, save_tiny_vl, tiny_vl
 
-ENGINE = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=32, block_size=8)
+ENGINE = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=32, block_size=8, kv_cache_memory_bytes=64 << 20)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 

@@ -14,7 +14,7 @@ from specserve.tokenizer import load_tokenizer
 from tests.tiny_models import tiny_hf_model
 
 VOCAB = 49152
-ENGINE = dict(max_model_len=256, max_num_seqs=64, max_num_batched_tokens=512, block_size=16)
+ENGINE = dict(max_model_len=256, max_num_seqs=64, max_num_batched_tokens=512, block_size=16, kv_cache_memory_bytes=64 << 20)
 SCHEMA = {"type": "object", "properties": {"temperature_celsius": {"type": "integer"},
                                            "weather_condition": {"enum": ["sunny", "cloudy", "rain"]}},
           "required": ["temperature_celsius", "weather_condition"], "additionalProperties": False}
@@ -81,14 +81,18 @@ SPECS = {
 
 
 @pytest.mark.parametrize("kind,method", [("json", m) for m in SPECS] + [("regex", "suffix"), ("regex", "auto"),
+                                                                         ("regex", "draft_model"),
                                                                          ("choice", "draft_model")])
 def test_constrained_greedy_output_is_the_same_with_speculation(kind, method, folder):
     plain, _ = _greedy(folder, CONSTRAINTS[kind])
     spec = dict(SPECS[method], model=folder) if method == "draft_model" else SPECS[method]
     outputs, llm = _greedy(folder, CONSTRAINTS[kind], dict(spec, adaptive_draft_length=False))
     assert outputs == plain
+    m = llm.get_metrics()
     if kind == "json":  # the schema's keys are forced: drafted whatever the method
-        assert llm.get_metrics().num_drafts > 0
+        assert m.num_drafts > 0
+    if method == "draft_model":  # the target's own weights drafting under the grammar's masks: right
+        assert m.num_drafts > 0 and m.num_accepted_tokens >= 0.9 * m.num_draft_tokens
     tok = llm.get_tokenizer()
     for ids in outputs:  # the constraint holds on what was generated (a random model: maybe cut short)
         matcher = GrammarMatcher(llm.llm_engine._grammar_compiler.compile(CONSTRAINTS[kind].kind,

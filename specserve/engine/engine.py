@@ -181,7 +181,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         out = self.runner.execute_model(sched)
         running = {rid: self.scheduler.requests[rid] for rid in sched.req_ids}
-        finished = self.scheduler.update_from_output(sched, out.sampled_token_ids, out.spec_token_ids)
+        finished = self.scheduler.update_from_output(sched, out.sampled_token_ids, out.spec_token_ids,
+                                                     out.draft_source_names)
         self._count(finished, sum(len(t) for t in out.sampled_token_ids.values()))
         for rid, drafts in sched.scheduled_spec_decode_tokens.items():
             self.metrics.record(len(drafts), len(out.sampled_token_ids.get(rid, ())) - 1)

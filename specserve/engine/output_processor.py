@@ -52,7 +52,8 @@ class OutputProcessor:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                                skip_special_tokens=getattr(params, "skip_special_tokens", True))
             want_lp = getattr(params, "logprobs", None) is not None
-            completion = CompletionOutput(index, "", [], 0.0 if want_lp else None, [] if want_lp else None)
+            completion = CompletionOutput(index, "", [], 0.0 if want_lp else None, [] if want_lp else None,
+                                          token_sources=[], token_drafters=[])
             states[child_id] = ChildState(index, params, detok, completion)
             self.child_to_parent[child_id] = parent_id
         self.parents[parent_id] = ParentState(parent_id, prompt, list(prompt_token_ids), states,
@@ -69,12 +70,15 @@ class OutputProcessor:
         now = time.time() if now is None else now
         parent = self.parents[self.child_to_parent[request.request_id]]
         child = parent.children[request.request_id]
-        new_ids = request.output_token_ids[child.num_tokens_seen:]
+        seen = child.num_tokens_seen
+        new_ids = request.output_token_ids[seen:]
         child.num_tokens_seen = len(request.output_token_ids)
         self._update_metrics(parent.metrics, request, bool(new_ids), now)
         parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
         completion = child.completion
         completion.token_ids.extend(new_ids)
+        completion.token_sources.extend(request.token_sources[seen:])
+        completion.token_drafters.extend(request.token_drafters[seen:])
         if logprobs and completion.logprobs is not None:
             self._add_logprobs(completion, logprobs[: len(new_ids)])
         stop_str = self._detokenize(child, new_ids) if child.detokenizer else None
@@ -162,4 +166,9 @@ class OutputProcessor:
 
 def _copy_completion(c: CompletionOutput) -> CompletionOutput:
     return CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                            list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)
+                            list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason,
+                            _copy(c.token_sources), _copy(c.token_drafters))
+
+
+def _copy(values: list | None) -> list | None:
+    return list(values) if values is not None else None

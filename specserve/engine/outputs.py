@@ -20,6 +20,10 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # Per token: "accepted" (a draft the target accepted), "bonus" (the target's token after all drafts
+    # were accepted), "correction" (the target's token in place of a rejected draft) or "target" (no drafts)
+    token_sources: list[str] | None = None
+    token_drafters: list[str | None] | None = None  # per token: the drafter of its step's drafts, or None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -10,6 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+# How each output token was produced (Request.token_sources, CompletionOutput.token_sources).
+ACCEPTED = "accepted"  # a draft token the target accepted
+BONUS = "bonus"  # the target's own token after every draft of the step was accepted
+CORRECTION = "correction"  # the target's own token in place of the first rejected draft
+TARGET = "target"  # the target's own token in a step that verified no drafts
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -80,6 +87,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.spec_token_ids: list[int] = []
+        self.spec_drafter: str | None = None  # the drafter that proposed spec_token_ids
+        # Per output token: how it was produced (ACCEPTED, ...) and the drafter of its step's drafts (or None).
+        self.token_sources: list[str] = []
+        self.token_drafters: list[str | None] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit, set on first scheduling
         self.status = RequestStatus.WAITING
@@ -119,9 +130,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int, source: str = TARGET, drafter: str | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.token_sources.append(source)
+        self.token_drafters.append(drafter)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from specserve.engine.kv_cache_manager import KVCacheManager
-from specserve.engine.request import Request, RequestStatus
+from specserve.engine.request import ACCEPTED, BONUS, CORRECTION, TARGET, Request, RequestStatus
 from specserve.types import CachedRequestData, NewRequestData, SchedulerOutput, max_draft_tokens
 
 
@@ -200,8 +200,10 @@ class Scheduler:
         return out
 
     def update_from_output(self, sched: SchedulerOutput, sampled_token_ids: dict[str, list[int]],
-                           draft_token_ids: dict[str, list[int]] | None = None) -> list[Request]:
-        """Append accepted tokens, roll back rejected drafts, check stops; return finished requests."""
+                           draft_token_ids: dict[str, list[int]] | None = None,
+                           draft_source_names: dict[str, str] | None = None) -> list[Request]:
+        """Append accepted tokens, roll back rejected drafts, check stops; return finished requests.
+        `draft_source_names` names the drafter of each request's new drafts (for Request.token_drafters)."""
         finished = []
         for rid in sched.req_ids:
             request = self.requests.get(rid)
@@ -214,8 +216,8 @@ class Scheduler:
                 num_rejected = len(drafts) + 1 - len(generated)
                 request.num_computed_tokens -= num_rejected
                 request.spec_stats.record(len(drafts), len(generated) - 1)
-            for token_id in generated:
-                request.append_output_token(token_id)
+            for token_id, source in zip(generated, _token_sources(len(drafts or ()), len(generated))):
+                request.append_output_token(token_id, source, request.spec_drafter if drafts else None)
                 if self._check_stop(request, token_id):
                     break
             if request.is_finished:
@@ -224,6 +226,7 @@ class Scheduler:
                 finished.append(request)
             elif draft_token_ids and draft_token_ids.get(rid):
                 request.spec_token_ids = self._trim_drafts(request, draft_token_ids[rid])
+                request.spec_drafter = draft_source_names.get(rid) if draft_source_names else None
         return finished
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
@@ -247,3 +250,12 @@ class Scheduler:
         if request.max_tokens is not None:
             room = min(room, request.max_tokens - request.num_output_tokens - 1)
         return list(drafts[:max(room, 0)])
+
+
+def _token_sources(num_drafts: int, num_generated: int) -> list[str]:
+    """How each of a step's tokens was produced: the accepted drafts, then the target's own token (a bonus
+    when every draft was accepted, else the correction of the first rejected one)."""
+    if not num_drafts:
+        return [TARGET] * num_generated
+    last = BONUS if num_generated == num_drafts + 1 else CORRECTION
+    return [ACCEPTED] * (num_generated - 1) + [last]

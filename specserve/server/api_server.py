@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP server: the FastAPI app (completions, chat, models, health, metrics), its error
-bodies and API-key check, and the `specserve serve` command that runs it under uvicorn.
+"""The OpenAI-compatible HTTP server: the FastAPI app (completions, chat, models, health, metrics, the chat page
+at /), its error bodies and API-key check, and the `specserve serve` command that runs it under uvicorn.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.staticfiles import StaticFiles
 
 from specserve import __version__
 from specserve.server.async_engine import AsyncLLM
@@ -29,6 +30,14 @@ from specserve.server.serving import APIError, ServingContext
 logger = logging.getLogger("specserve.server")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")  # the chat page served at /
+# The page loads and talks to nothing but its own origin; model text never runs as script (no inline scripts).
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+                               "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 _ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text in (
     (400, "Invalid request: `error.param` names the offending field"), (401, "Missing or wrong API key"),
     (503, "Too many requests waiting (see Retry-After), or shutting down"))}
@@ -86,6 +95,12 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def chat_page() -> Response:
+        return FileResponse(os.path.join(STATIC_DIR, "index.html"), headers=PAGE_HEADERS)
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -162,8 +177,8 @@ def add_serve_parser(sub) -> None:
     from specserve.engine_args import add_engine_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
-                       description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
-                                   "/metrics with uvicorn.")
+                       description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
+                                   "/metrics and a chat page at / with uvicorn.")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=8000)

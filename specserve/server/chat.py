@@ -14,12 +14,12 @@ from specserve.multimodal.chat import split_chat_images, template_renders_images
 from specserve.sampling_params import SamplingParams
 from specserve.server.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatLogprobs, ChatStreamChoice, DeltaMessage, TokenLogprob, TopLogprob)
+    ChatLogprobs, ChatStreamChoice, DeltaMessage, TokenLogprob, TokenSource, TopLogprob)
 from specserve.server.serving import (
     MIN_LOGPROB, APIError, ServingContext, bad_request, final_outputs, make_usage, random_id, single_constraint,
     unsupported)
 from specserve.server.streaming import (
-    SSE_DONE, ChoiceCursor, EventStreamResponse, sse, sse_error, unless_disconnected)
+    SSE_DONE, ChoiceCursor, EventStreamResponse, TokenSourceCursor, sse, sse_error, unless_disconnected)
 from specserve.server.tools import ToolCallReader, tool_call_reader, tool_constraint
 
 
@@ -115,11 +115,14 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
 
     cursors = [ChoiceCursor.for_params(params) for _ in range(request.n)]
     readers = [tool_call_reader(request) for _ in range(request.n)]
+    sources: list[TokenSourceCursor] = []
     try:
         for i in range(request.n):
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         last = None
         async for last in ctx.engine.outputs(stream):
+            if request.include_token_sources_in_stream and not sources:
+                sources = [TokenSourceCursor(ctx.tokenizer, last.prompt_token_ids, params) for _ in range(request.n)]
             for c in last.outputs:
                 cursor = cursors[c.index]
                 if cursor.finished:
@@ -128,7 +131,8 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
                 if not text and not entries and not cursor.finished:
                     continue
                 logprobs = chat_logprobs(entries, request.top_logprobs or 0) if request.logprobs else None
-                for choice in _step_choices(c, text, logprobs, readers[c.index]):
+                tokens = sources[c.index].advance(c) if sources else None
+                for choice in _step_choices(c, text, logprobs, readers[c.index], tokens):
                     yield chunk([choice])
         if request.include_usage_in_stream and last is not None:
             yield chunk([], usage=make_usage([last]))
@@ -138,20 +142,21 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
         yield SSE_DONE
 
 
-def _step_choices(c: CompletionOutput, text: str, logprobs: ChatLogprobs | None, reader: ToolCallReader | None
-                  ) -> list[ChatStreamChoice]:
+def _step_choices(c: CompletionOutput, text: str, logprobs: ChatLogprobs | None, reader: ToolCallReader | None,
+                  token_sources: list[TokenSource] | None = None) -> list[ChatStreamChoice]:
     """One step's new `text` of choice `c` as stream choices: its content, or one tool-call delta per chunk;
-    the step's logprobs and finish_reason ride on the last."""
+    the step's logprobs, token sources and finish_reason ride on the last."""
     finish_reason = c.finish_reason
     if reader is None:
         deltas = [DeltaMessage(content=text)]
     else:
         deltas = [DeltaMessage(tool_calls=[d]) for d in reader.deltas(text)]
         finish_reason = reader.finish_reason(finish_reason) if finish_reason else None
-        if not deltas and (logprobs is not None or finish_reason):
+        if not deltas and (logprobs is not None or token_sources or finish_reason):
             deltas = [DeltaMessage()]
     choices = [ChatStreamChoice(index=c.index, delta=delta) for delta in deltas]
     if choices:
         choices[-1] = ChatStreamChoice(index=c.index, delta=deltas[-1], logprobs=logprobs,
-                                       finish_reason=finish_reason, stop_reason=c.stop_reason)
+                                       finish_reason=finish_reason, stop_reason=c.stop_reason,
+                                       token_sources=token_sources)
     return choices

@@ -15,7 +15,7 @@ from specserve.server.serving import (
     MIN_LOGPROB, APIError, ServingContext, bad_request, final_outputs, make_usage, random_id, single_constraint,
     unsupported)
 from specserve.server.streaming import (
-    SSE_DONE, ChoiceCursor, EventStreamResponse, merged, sse, sse_error, unless_disconnected)
+    SSE_DONE, ChoiceCursor, EventStreamResponse, TokenSourceCursor, merged, sse, sse_error, unless_disconnected)
 
 # SamplingParams field -> the request field a client would fix (the names agree here).
 _RENAMES: dict[str, str] = {}
@@ -105,6 +105,7 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: s
                   params: SamplingParams) -> AsyncIterator[str]:
     created = int(time.time())
     cursors: dict[int, ChoiceCursor] = {}
+    sources: dict[int, TokenSourceCursor] = {}
     offsets: dict[int, int] = {}
     finals: dict[int, RequestOutput] = {}
     try:
@@ -124,8 +125,13 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: s
                 if request.logprobs is not None:
                     logprobs = completion_logprobs(entries, request.logprobs, offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
-                choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                tokens = None
+                if request.include_token_sources_in_stream:
+                    if index not in sources:
+                        sources[index] = TokenSourceCursor(ctx.tokenizer, out.prompt_token_ids, params)
+                    tokens = sources[index].advance(c)
+                choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                          stop_reason=c.stop_reason, token_sources=tokens)
                 yield sse(CompletionResponse(id=request_id, created=created, model=ctx.model_name,
                                              choices=[choice]))
             if out.finished:

@@ -46,6 +46,9 @@ class ErrorResponse(OpenAIModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool | None = False
+    include_token_sources: bool | None = Field(
+        False, description="specserve's extension: each streamed choice carries `token_sources`, how each of "
+                           "its new tokens was produced (see TokenSource)")
 
 
 class JsonSchemaFormat(OpenAIModel):
@@ -148,6 +151,10 @@ class SamplingFields(OpenAIModel):
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def include_token_sources_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_token_sources)
 
 
 class CompletionRequest(SamplingFields):
@@ -312,7 +319,39 @@ class CompletionLogprobs(OpenAIModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(OpenAIModel):
+class TokenSource(OpenAIModel):
+    """specserve's stream extension (opt in with stream_options.include_token_sources): one output token, its
+    text (the texts of a choice's tokens add up to its generated text, up to a stop string) and how it was
+    produced."""
+
+    text: str
+    source: Literal["accepted", "bonus", "correction", "target"] = Field(
+        description="accepted: a draft token the target accepted; bonus: the target's token after all the "
+                    "step's drafts were accepted; correction: the target's token in place of the first rejected "
+                    "draft; target: the target's token in a step without drafts")
+    drafter: str | None = Field(None, description="the drafter of the step's drafts (e.g. suffix, ngram, "
+                                                  "draft_model, grammar); omitted for `target`")
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ExtendedChoice(OpenAIModel):
+    """A streamed choice; `token_sources` appears only when the request opted in (OpenAI clients ignore it)."""
+
+    token_sources: list[TokenSource] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unrequested(self, handler):
+        body = handler(self)
+        sources = body.pop("token_sources", None)
+        if sources is not None:
+            body["token_sources"] = sources  # after the standard fields
+        return body
+
+
+class CompletionChoice(ExtendedChoice):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -391,7 +430,7 @@ class DeltaMessage(DeltaModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatStreamChoice(OpenAIModel):
+class ChatStreamChoice(ExtendedChoice):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from itertools import repeat
 from typing import AsyncIterator
 
 import anyio
@@ -16,7 +17,9 @@ from starlette.responses import StreamingResponse
 from specserve.engine.outputs import CompletionOutput, RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.server.async_engine import AsyncLLM, RequestAbortedError, RequestStream
+from specserve.server.protocol import TokenSource
 from specserve.server.serving import APIError
+from specserve.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -48,6 +51,22 @@ class ChoiceCursor:
         self.tokens_sent = len(c.token_ids)
         self.finished = c.finish_reason is not None
         return text, new_ids, logprobs
+
+
+class TokenSourceCursor:
+    """The `token_sources` extension of one choice: each new token's text, from a detokenizer of its own fed
+    one token at a time (so the texts add up to the choice's text), with how it was produced."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.tokens_sent = 0
+
+    def advance(self, c: CompletionOutput) -> list[TokenSource]:
+        start, self.tokens_sent = self.tokens_sent, len(c.token_ids)
+        sources = c.token_sources[start:] if c.token_sources is not None else repeat("target")
+        drafters = c.token_drafters[start:] if c.token_drafters is not None else repeat(None)
+        return [TokenSource(text=self.detokenizer.add((token_id,)), source=source, drafter=drafter)
+                for token_id, source, drafter in zip(c.token_ids[start:], sources, drafters)]
 
 
 async def merged(engine: AsyncLLM, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

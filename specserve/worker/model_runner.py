@@ -88,6 +88,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]  # empty list for a partial prefill
     spec_token_ids: dict[str, list[int]] | None
     logprobs: dict[str, list[dict]] = field(default_factory=dict)  # per output token: {id: (logprob, rank)}
+    draft_source_names: dict[str, str] = field(default_factory=dict)  # the drafter of each of spec_token_ids
 
 
 class ModelRunner:
@@ -163,7 +164,10 @@ class ModelRunner:
             if self.proposer is not None and self._is_decode_step(batch):  # the measured cost of drafting
                 self.draft_policy.observe_step(len(batch.req_ids), len(batch.input_ids), time.perf_counter() - start)
             drafts = self.propose_draft_token_ids(batch, sampled, hidden, aux)
-        return ModelRunnerOutput(batch.req_ids, sampled, drafts, logprobs)
+        options = self.draft_policy.options
+        return ModelRunnerOutput(batch.req_ids, sampled, drafts, logprobs, {  # who drafted each request's drafts
+            rid: "grammar" if rid in self.forced_drafts else options[self.draft_sources.get(rid, 0)].name
+            for rid in drafts or ()})
 
     @staticmethod
     def _is_decode_step(batch: InputBatch) -> bool:

@@ -54,6 +54,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="answer length cap for self-distillation")
     p.add_argument("--temperature", type=float, default=0.0, help="self-distillation sampling (0: greedy)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="generation batch for self-distillation")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30,
+                   help="KV cache of the self-distillation engine (default: %(default)s, 4 GiB)")
     p.add_argument("--feature-dtype", choices=["float16", "bfloat16"], default="float16")
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="eagle3: draft vocabulary size")
     p.add_argument("--ttt-steps", type=int, default=4, help="eagle3: training-time test steps")
@@ -98,7 +100,7 @@ def train_drafter(args, command: str = "", log=print) -> str:
     held_ids = {p["id"] for n, p in enumerate(prompts) if n % args.held_out_every == args.held_out_every - 1}
 
     llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
-              kv_cache_memory_bytes=4 << 30, seed=args.seed)
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     seqs = distill(llm, prompts, os.path.join(work, "distilled.jsonl"), params, log=log)
     del llm

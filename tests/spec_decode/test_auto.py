@@ -16,7 +16,7 @@ from specserve.spec_decode.auto import AutoProposer
 from specserve.spec_decode.proposer import DraftInputs, DrafterNeeds, Drafts
 from tests.tiny_models import save_hf_folder, tiny_hf_model
 
-ENGINE = dict(max_model_len=256, block_size=8, max_num_seqs=8)
+ENGINE = dict(max_model_len=256, block_size=8, max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
 VOCAB = 160
 
 

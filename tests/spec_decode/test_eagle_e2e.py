@@ -26,7 +26,7 @@ from tests.spec_decode.test_spec_sampling_e2e import VOCAB, check_first_tokens_f
 from tests.tiny_models import perturb_norms_and_biases, save_hf_folder, tiny_hf_model
 
 K = 3  # drafts per step
-ENGINE = dict(max_model_len=128, max_num_batched_tokens=24, block_size=8, max_num_seqs=4)
+ENGINE = dict(max_model_len=128, max_num_batched_tokens=24, block_size=8, max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
 TIGHT = dict(ENGINE, num_kv_blocks=16)  # 16 blocks of 8 tokens for four requests of up to 90: preemption
 PARAMS = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 PROMPT_LENGTHS = (5, 30, 17, 60)

@@ -13,7 +13,7 @@ from specserve.spec_decode.proposer import DrafterNeeds, TargetStates
 from specserve.tokenizer import load_tokenizer
 from tests.models.test_qwen2_vl_parity import tiny_qwen2_vl
 
-ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24, block_size=8)
+ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24, block_size=8, kv_cache_memory_bytes=64 << 20)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 

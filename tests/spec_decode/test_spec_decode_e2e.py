@@ -16,7 +16,7 @@ from specserve.ops.kernels import kernel_enabled
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "specbench_sample.jsonl")
 MAX_TOKENS = 96
-ENGINE = dict(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=256)
+ENGINE = dict(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=256, kv_cache_memory_bytes=256 << 20)
 
 
 @pytest.fixture(scope="module")

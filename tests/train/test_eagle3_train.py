@@ -229,7 +229,7 @@ def test_saved_head_drafts_in_the_engine_with_greedy_output(target, trained, tmp
     folder = save_hf_folder(target, tmp_path / "target")
     prompts = [{"prompt_token_ids": p} for p in random_prompts(6, seed=99)]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    engine = dict(max_model_len=128, block_size=8, max_num_seqs=4)
+    engine = dict(max_model_len=128, block_size=8, max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
     plain = [o.outputs[0].token_ids for o in LLM(model=folder, **engine).generate(prompts, params, use_tqdm=False)]
     llm = LLM(model=folder, speculative_config={"method": "eagle3", "model": trained["folder"],
                                                 "num_speculative_tokens": 3,
@@ -262,7 +262,8 @@ def test_train_drafter_command_end_to_end(target, tmp_path):
     out = tmp_path / "head"
     argv = ["train-drafter", "--method", "eagle3", "--model", folder, "--prompts", str(prompts), "--out", str(out),
             "--max-tokens", "24", "--draft-vocab-size", "64", "--ttt-steps", "2", "--epochs", "2",
-            "--batch-tokens", "128", "--held-out-every", "6", "--eval-prompts", "2", "--max-num-seqs", "8"]
+            "--batch-tokens", "128", "--held-out-every", "6", "--eval-prompts", "2",
+            "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "8"]
     assert main(argv) == 0
     store = FeatureStore(str(out / "work" / "features"))
     assert len(store) == 24 and store.kind == "aux"

@@ -200,7 +200,7 @@ def test_eagle_predicts_the_next_feature(eagle_run, data):
 
 # ---------------------------------------------------------------- the engine
 
-ENGINE = dict(max_model_len=128, block_size=8, max_num_seqs=4)
+ENGINE = dict(max_model_len=128, block_size=8, max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 
 

@@ -1,4 +1,4 @@
-"""`python -m specserve.bench.grammar_backends`: xgrammar against llguidance on the default model's tokenizer
+"""`python benchmarks/grammar_backends.py`: xgrammar against llguidance on the default model's tokenizer
 (tokenizer setup, grammar compilation, per-token masks, rollback, memory); prints a table and writes JSON.
 
 Each engine runs in its own subprocess so its import time and memory are measured alone; an engine that is
@@ -440,7 +440,7 @@ def run_in_subprocess(name: str, repeats: int) -> dict | None:
     """One engine's numbers from a fresh interpreter, or None (with a message) when it is not installed."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder, "result.json")
-        proc = subprocess.run([sys.executable, "-m", "specserve.bench.grammar_backends", "--engine", name,
+        proc = subprocess.run([sys.executable, __file__, "--engine", name,
                                "--repeats", str(repeats), "--output", str(out)], capture_output=True, text=True)
         if proc.returncode == 3:
             print(f"skipping {name}: not installed (pip install {name})", file=sys.stderr)

@@ -20,7 +20,8 @@ from specserve.server.serving import (
     unsupported)
 from specserve.server.streaming import (
     SSE_DONE, ChoiceCursor, EventStreamResponse, TokenSourceCursor, sse, sse_error, unless_disconnected)
-from specserve.server.tools import ToolCallReader, tool_call_reader, tool_constraint
+from specserve.server.tools import (
+    AutoCallReader, ToolCallReader, auto_call_reader, tool_call_reader, tool_constraint)
 
 
 async def create_chat_completion(ctx: ServingContext, request: ChatCompletionRequest, raw_request: Request
@@ -47,12 +48,17 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
 
 
 def _choice(request: ChatCompletionRequest, c: CompletionOutput) -> ChatChoice:
-    """One whole answer: its text as content, or as tool_calls when tool_choice asked for them."""
+    """One whole answer: its text as content, or as tool_calls when tool_choice asked for them, or split
+    between the two for tool_choice 'auto'."""
     message, finish_reason = AssistantMessage(content=c.text), c.finish_reason
     reader = tool_call_reader(request)
     calls = reader.tool_calls(c.text) if reader is not None else None
     if calls is not None:
         message, finish_reason = AssistantMessage(content=None, tool_calls=calls), reader.finish_reason(finish_reason)
+    auto = auto_call_reader(request)
+    if auto is not None:
+        content, calls = auto.parse(c.text)
+        message, finish_reason = AssistantMessage(content=content, tool_calls=calls), auto.finish_reason(finish_reason)
     logprobs = chat_logprobs(c.logprobs, request.top_logprobs or 0) if request.logprobs else None
     return ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                       stop_reason=c.stop_reason)
@@ -115,6 +121,7 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
 
     cursors = [ChoiceCursor.for_params(params) for _ in range(request.n)]
     readers = [tool_call_reader(request) for _ in range(request.n)]
+    autos = [auto_call_reader(request) for _ in range(request.n)]
     sources: list[TokenSourceCursor] = []
     try:
         for i in range(request.n):
@@ -132,7 +139,7 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
                     continue
                 logprobs = chat_logprobs(entries, request.top_logprobs or 0) if request.logprobs else None
                 tokens = sources[c.index].advance(c) if sources else None
-                for choice in _step_choices(c, text, logprobs, readers[c.index], tokens):
+                for choice in _step_choices(c, text, logprobs, readers[c.index], tokens, autos[c.index]):
                     yield chunk([choice])
         if request.include_usage_in_stream and last is not None:
             yield chunk([], usage=make_usage([last]))
@@ -143,17 +150,22 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
 
 
 def _step_choices(c: CompletionOutput, text: str, logprobs: ChatLogprobs | None, reader: ToolCallReader | None,
-                  token_sources: list[TokenSource] | None = None) -> list[ChatStreamChoice]:
-    """One step's new `text` of choice `c` as stream choices: its content, or one tool-call delta per chunk;
-    the step's logprobs, token sources and finish_reason ride on the last."""
+                  token_sources: list[TokenSource] | None = None, auto: AutoCallReader | None = None
+                  ) -> list[ChatStreamChoice]:
+    """One step's new `text` of choice `c` as stream choices: its content, or one tool-call delta per chunk,
+    or for tool_choice 'auto' both, as `auto` splits them; the step's logprobs, token sources and finish_reason
+    ride on the last."""
     finish_reason = c.finish_reason
-    if reader is None:
-        deltas = [DeltaMessage(content=text)]
-    else:
+    if reader is not None:
         deltas = [DeltaMessage(tool_calls=[d]) for d in reader.deltas(text)]
         finish_reason = reader.finish_reason(finish_reason) if finish_reason else None
-        if not deltas and (logprobs is not None or token_sources or finish_reason):
-            deltas = [DeltaMessage()]
+    elif auto is not None:
+        deltas = auto.deltas(text, final=finish_reason is not None)
+        finish_reason = auto.finish_reason(finish_reason) if finish_reason else None
+    else:
+        deltas = [DeltaMessage(content=text)]
+    if not deltas and (logprobs is not None or token_sources or finish_reason):
+        deltas = [DeltaMessage()]
     choices = [ChatStreamChoice(index=c.index, delta=delta) for delta in deltas]
     if choices:
         choices[-1] = ChatStreamChoice(index=c.index, delta=deltas[-1], logprobs=logprobs,

@@ -271,8 +271,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="default: 'auto' with tools, else 'none'; 'auto' is refused (no tool-call parser "
-                          "reads free text)")
+        None, description="default: 'auto' with tools, else 'none'; 'auto' reads Hermes-style <tool_call> blocks "
+                          "where the chat template renders tools, and is refused otherwise")
     parallel_tool_calls: bool | None = Field(None, description="false: 'required' makes exactly one call")
 
     @property

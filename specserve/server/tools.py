@@ -1,15 +1,15 @@
-"""Tool calling on the chat endpoint: the output constraint a tool_choice asks for (vLLM's JSON schemas), and
-the constrained output read back as tool_calls, whole or as streamed deltas.
+"""Tool calling on the chat endpoint: the output constraint a tool_choice asks for (vLLM's JSON schemas), the
+constrained output read back as tool_calls, and 'auto's free text split into content and Hermes-format calls.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Collection, Protocol
 
 from specserve.server.protocol import (
-    ChatCompletionRequest, ChatTool, DeltaFunctionCall, DeltaToolCall, FunctionCall, NamedToolChoice,
-    OutputConstraint, ToolCall, new_tool_call_id)
+    ChatCompletionRequest, ChatTool, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
+    NamedToolChoice, OutputConstraint, ToolCall, new_tool_call_id)
 from specserve.server.serving import bad_request
 
 AUTO_NEEDS_PARSER = ("tool_choice 'auto' needs a tool-call parser for this model's chat template; "
@@ -20,20 +20,26 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 
 def tool_constraint(request: ChatCompletionRequest, chat_template: str | None) -> OutputConstraint | None:
     """Check tools and tool_choice; the output constraint that 'required' or a named function sets (None for
-    'none'). 'auto' is refused: no tool-call parser reads free text."""
+    'none', and for 'auto', which generates freely). 'auto' is refused for a chat template that does not render
+    tools: its model was not taught the Hermes <tool_call> format that AutoCallReader reads."""
     choice = request.effective_tool_choice
     tools = request.tools or []
     _check_tools(tools, choice)
     if choice == "none":
         return None
     if choice == "auto":
-        renders = bool(chat_template) and "tools" in chat_template
-        note = "" if renders else " (this chat template does not render tools either)"
-        raise bad_request(AUTO_NEEDS_PARSER + note, "tool_choice")
+        if renders_tools(chat_template):
+            return None
+        raise bad_request(AUTO_NEEDS_PARSER + " (this chat template does not render tools)", "tool_choice")
     if choice == "required":
         return OutputConstraint("tools", {"json": required_schema(tools, request.parallel_tool_calls)}, "tools")
     index = next(i for i, tool in enumerate(tools) if tool.function.name == choice.function.name)
     return OutputConstraint("tools", {"json": parameters(tools[index])}, f"tools[{index}].function.parameters")
+
+
+def renders_tools(chat_template: str | None) -> bool:
+    # Templates that render tools (Qwen2.5, Hermes and their kin) teach the Hermes <tool_call> format.
+    return bool(chat_template) and "tools" in chat_template
 
 
 def _check_tools(tools: list[ChatTool], choice: str | NamedToolChoice) -> None:
@@ -241,3 +247,116 @@ def _loads(text: str):
         return json.loads(text)
     except ValueError:
         return None
+
+
+# ------------------------------------------------------------------------------------ 'auto': Hermes calls
+
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+
+
+def auto_call_reader(request: ChatCompletionRequest) -> AutoCallReader | None:
+    """A new reader for one choice of this request when tool_choice is 'auto', else None."""
+    if request.effective_tool_choice != "auto":
+        return None
+    return AutoCallReader([tool.function.name for tool in request.tools or []])
+
+
+def read_call(block: str, names: Collection[str]) -> FunctionCall | None:
+    """The call in one <tool_call> block's text: JSON {"name", "arguments"} naming one of `names`, its arguments
+    an object or an object's JSON text (absent: no arguments); None for anything else."""
+    call = _loads(block)
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or call["name"] not in names:
+        return None
+    arguments = call.get("arguments", {})
+    parsed = _loads(arguments) if isinstance(arguments, str) else arguments
+    if not isinstance(parsed, dict):
+        return None
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return FunctionCall(name=call["name"], arguments=text)
+
+
+def parse_tool_calls(text: str, names: Collection[str]) -> tuple[str | None, list[FunctionCall]]:
+    """A whole output in the Hermes format: the calls of its <tool_call> blocks, and its other text, stripped,
+    as content (None when empty). A block that is not a call of a declared tool, or is never closed, stays in
+    the content as it was generated."""
+    content, calls, pos = [], [], 0
+    while (start := text.find(TOOL_CALL_START, pos)) >= 0:
+        end = text.find(TOOL_CALL_END, start + len(TOOL_CALL_START))
+        if end < 0:
+            break
+        content.append(text[pos:start])
+        call = read_call(text[start + len(TOOL_CALL_START):end], names)
+        if call is None:
+            content.append(text[start:end + len(TOOL_CALL_END)])
+        else:
+            calls.append(call)
+        pos = end + len(TOOL_CALL_END)
+    content.append(text[pos:])
+    return "".join(content).strip() or None, calls
+
+
+class AutoCallReader:
+    """tool_choice 'auto': one choice's free text as content and Hermes-format tool calls, whole or streamed.
+
+    Streaming sends content as it comes, except text that may be the start of <tool_call>; a block is held
+    until </tool_call> closes it, then sent as a call (id, type and name with empty arguments, then the
+    arguments) or, when it is not a call, as content. The deltas add up to what `parse` returns."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.num_calls = 0
+        self.buffer = ""        # text not yet sent: a held-back prefix of <tool_call>, or an open block's text
+        self.in_block = False   # whether the buffer is an open block's text (after <tool_call>)
+        self.started = False    # whether any content has been sent (leading whitespace is dropped)
+        self.space = ""         # whitespace held back: sent only if more content follows
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        content, calls = parse_tool_calls(text, self.names)
+        self.num_calls = len(calls)
+        return content, [ToolCall(function=call) for call in calls]
+
+    def deltas(self, text: str, final: bool) -> list[DeltaMessage]:
+        """The content and tool-call deltas that `text`, the output's next piece, completes; `final` flushes
+        what is held back (an unclosed block, a partial <tool_call>) as content."""
+        self.buffer += text
+        out = []
+        while (found := self.buffer.find(TOOL_CALL_END if self.in_block else TOOL_CALL_START)) >= 0:
+            piece = self.buffer[:found]
+            self.buffer = self.buffer[found + len(TOOL_CALL_END if self.in_block else TOOL_CALL_START):]
+            if not self.in_block:
+                out += self._content(piece)
+            elif (call := read_call(piece, self.names)) is not None:
+                out += self._call(call)
+            else:
+                out += self._content(TOOL_CALL_START + piece + TOOL_CALL_END)
+            self.in_block = not self.in_block
+        if final:
+            out += self._content((TOOL_CALL_START if self.in_block else "") + self.buffer)
+            self.buffer, self.in_block = "", False
+        elif not self.in_block:
+            keep = _partial_suffix(self.buffer, TOOL_CALL_START)
+            out += self._content(self.buffer[:len(self.buffer) - keep])
+            self.buffer = self.buffer[len(self.buffer) - keep:]
+        return out
+
+    def _content(self, piece: str) -> list[DeltaMessage]:
+        text = self.space + piece if self.started else piece.lstrip()
+        body = text.rstrip()
+        self.space = text[len(body):]
+        if not body:
+            return []
+        self.started = True
+        return [DeltaMessage(content=body)]
+
+    def _call(self, call: FunctionCall) -> list[DeltaMessage]:
+        index, self.num_calls = self.num_calls, self.num_calls + 1
+        return [DeltaMessage(tool_calls=[_header(index, new_tool_call_id(), call.name)]),
+                DeltaMessage(tool_calls=[_arguments(index, call.arguments)])]
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if self.num_calls else reason
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (without being all of it)."""
+    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)

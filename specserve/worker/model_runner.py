@@ -379,26 +379,26 @@ class ModelRunner:
         return {**{rid: d for rid, d in zip(inputs.req_ids, drafts.token_ids) if d}, **forced}
 
     def _forced_drafts(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
-        """Drafts no drafter is needed for: the tokens a request's grammar forces next (their target
-        probability is 1, so verification accepts them), up to the request's draft length."""
+        """Drafts no drafter is needed for: the tokens a request's grammar forces next (the tokenizer's
+        spelling of the forced text, which verification nearly always accepts), up to its draft length."""
         forced = {}
         for state in states:
-            k = getattr(state.sampling_params, "num_speculative_tokens", None)
-            k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
-            tokens = self.grammars.forced_tokens(state.req_id, min(k, max_draft_tokens(len(state.token_ids),
-                                                                                         self.max_model_len)))
+            tokens = self.grammars.forced_tokens(state.req_id, self._max_drafts(state))
             if tokens:
                 forced[state.req_id] = tokens
                 self.forced_drafts.add(state.req_id)
         return forced
 
     def _draft_plan(self, state: CachedRequestState) -> list[tuple[int, int]]:
-        """The engine's k, lowered (or turned off with 0) per request by SamplingParams, then the policy's
-        [(option, number of drafts)] from the request's recent acceptance and the measured costs."""
+        """The policy's [(option, number of drafts)] within the request's draft length, from its recent
+        acceptance and the measured costs."""
+        return self.draft_policy.plan(state.req_id, self._max_drafts(state), seeded=state.generator is not None)
+
+    def _max_drafts(self, state: CachedRequestState) -> int:
+        """The engine's k, lowered (or turned off with 0) per request by SamplingParams, within max_model_len."""
         k = getattr(state.sampling_params, "num_speculative_tokens", None)
         k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
-        k = min(k, max_draft_tokens(len(state.token_ids), self.max_model_len))
-        return self.draft_policy.plan(state.req_id, max(0, k), seeded=state.generator is not None)
+        return max(0, min(k, max_draft_tokens(len(state.token_ids), self.max_model_len)))
 
     def _target_rows(self, batch: InputBatch, sampled: dict[str, list[int]]) -> tuple[list[str], list[int], list[int]]:
         """(requests, row index, cu offsets) of the target states the proposer declared it reads: the

@@ -14,6 +14,9 @@ class EngineConfig:
     # float16: the whole model in fp16 (plain F.linear).
     dtype: str = "auto"
     quantization: str | None = None  # "int8": int8 linear weights (per-channel scales), approximate
+    # GGUF weights stay in their quantized blocks (exact: the C GEMM dequantizes them in registers to the
+    # values a load-time dequantization gives); True dequantizes them to fp32 at load instead.
+    gguf_dequantize: bool = False
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -28,6 +31,10 @@ class EngineConfig:
     limit_mm_per_prompt: dict | None = None
     mm_processor_kwargs: dict | None = None
     skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry token ids and no text
+    # Tensor parallelism: the decoder split over this many ranks (specserve/distributed), as local worker
+    # processes ("mp", the default) or Ray actors ("ray"); kv_cache_memory_bytes is then per rank.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -42,12 +49,27 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
+                             f"got {self.distributed_executor_backend!r}")
 
     @property
     def torch_dtype(self):
         import torch
 
         return torch.float16 if self.dtype == "float16" else torch.float32
+
+    @property
+    def keep_gguf_blocks(self) -> bool:
+        """Whether a GGUF model's weight matrices stay in their blocks: exact fp32 compute on the C kernels."""
+        from specserve.ops import kernels
+
+        # tensor parallelism shards plain tensors: a GGUF file is dequantized for it
+        return not self.gguf_dequantize and self.dtype in ("auto", "float32") and self.quantization is None \
+            and self.tensor_parallel_size == 1 \
+            and kernels.kernel_enabled()
 
     @property
     def linear_weight_dtype(self):

@@ -15,6 +15,9 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                    help="bfloat16: bf16 linear weights with fp32 activations (faster, approximate)")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: int8 linear weights with per-channel scales (fastest, approximate)")
+    p.add_argument("--gguf-dequantize", action="store_true",
+                   help="dequantize a GGUF model's weights to fp32 at load (default: the kernels read the "
+                        "file's quantized blocks, with the same results)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -28,6 +31,10 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
     p.add_argument("--mm-processor-kwargs", type=json_object, default=None,
                    help='JSON, image resizing bounds, e.g. \'{"min_pixels": 3136, "max_pixels": 1003520}\' '
                         "(default: the model's preprocessor_config.json)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many ranks (default: %(default)s; see docs/distributed.md)")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="where the tensor-parallel workers run: local processes (mp, the default) or Ray actors")
     if not speculation_flags:
         return
     # Short flags; each overrides the same key of --speculative-config.
@@ -66,9 +73,12 @@ def speculative_config(args) -> dict | None:
 
 def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, quantization=getattr(args, "quantization", None),
+                gguf_dequantize=getattr(args, "gguf_dequantize", False),
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, speculative_config=speculative_config(args),
                 kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", 1 << 30),
                 limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),
-                mm_processor_kwargs=getattr(args, "mm_processor_kwargs", None))
+                mm_processor_kwargs=getattr(args, "mm_processor_kwargs", None),
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                distributed_executor_backend=getattr(args, "distributed_executor_backend", None))

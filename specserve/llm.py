@@ -16,21 +16,24 @@ class LLM:
     """Load a model once; generate for many prompts with continuous batching."""
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
-                 quantization: str | None = None,
+                 quantization: str | None = None, gguf_dequantize: bool = False,
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  enable_prefix_caching: bool = True, block_size: int = 16,
                  kv_cache_memory_bytes: int = 1 << 30, num_kv_blocks: int | None = None, seed: int = 0,
                  speculative_config: dict | None = None, limit_mm_per_prompt: dict | None = None,
-                 mm_processor_kwargs: dict | None = None, skip_tokenizer_init: bool = False, **kwargs) -> None:
+                 mm_processor_kwargs: dict | None = None, skip_tokenizer_init: bool = False,
+                 tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None, **kwargs) -> None:
         if kwargs:
             raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(kwargs))}")
         self.config = EngineConfig(
-            model=model, tokenizer=tokenizer, dtype=dtype, quantization=quantization, max_model_len=max_model_len,
+            model=model, tokenizer=tokenizer, dtype=dtype, quantization=quantization,
+            gguf_dequantize=gguf_dequantize, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes,
             num_kv_blocks=num_kv_blocks, seed=seed, speculative_config=speculative_config,
             limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_kwargs=mm_processor_kwargs,
-            skip_tokenizer_init=skip_tokenizer_init)
+            skip_tokenizer_init=skip_tokenizer_init, tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend=distributed_executor_backend)
         self.llm_engine = LLMEngine(self.config)
         self._counter = itertools.count()
 

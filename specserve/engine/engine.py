@@ -37,10 +37,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        loaded = load_model_weights(config.model, dtype=config.torch_dtype)
+        loaded = load_model_weights(config.model, dtype=config.torch_dtype, keep_quantized=config.keep_gguf_blocks)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
-        self.model = build_model(loaded.config, loaded.state_dict, dtype=config.torch_dtype,
-                                 weight_dtype=config.linear_weight_dtype)
+        if config.tensor_parallel_size > 1:  # rank 0's shard, its workers started (specserve/distributed)
+            from specserve.distributed.model import start_tensor_parallel
+
+            self.model = start_tensor_parallel(config, loaded)
+        else:
+            self.model = build_model(loaded.config, loaded.state_dict, dtype=config.torch_dtype,
+                                     weight_dtype=config.linear_weight_dtype)
         self.hf_config = loaded.config
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer is not None

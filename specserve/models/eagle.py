@@ -312,7 +312,8 @@ def _draft_embedding(ckpt: DrafterCheckpoint, target, hidden: int) -> torch.Tens
         return shared
     own = expect_tensor(ckpt, "embed_tokens.weight", (vocab, hidden),
                         f"the target's vocabulary {vocab} x the draft's hidden size {hidden}").to(target.dtype)
-    return shared if own.shape == shared.shape and torch.equal(own, shared) else own.contiguous()
+    same = isinstance(shared, torch.Tensor) and own.shape == shared.shape and torch.equal(own, shared)
+    return shared if same else own.contiguous()
 
 
 def _draft_id_map(ckpt: DrafterCheckpoint, draft_vocab: int, vocab: int) -> torch.Tensor | None:

@@ -1,7 +1,9 @@
 """Turns a GGUF checkpoint into a Hugging Face-style config dict and state dict.
 
-Dequantizing takes seconds, so the converted float32 weights are cached as safetensors, keyed by
-the GGUF file's path, size and mtime.
+Weight matrices in a supported block type (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16) become
+`QuantizedWeight`s, repacked for the C GEMM, which reads them as they are (specserve.models.gguf_quant);
+other types are dequantized to float32 at load, with a log line. Repacking takes seconds, so the result
+is cached as safetensors (the packed blocks, not fp32), keyed by the GGUF file's path, size and mtime.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from specserve.models.gguf_quant import BLOCK_TYPES, QuantizedWeight
 from specserve.models.loader import ModelLoadError, check_state_dict
 from specserve.ops.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
 # Bump when the conversion changes, so stale caches are not reused.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 # GGUF `general.architecture` -> Hugging Face `architectures[0]`.
 GGUF_ARCHITECTURES = {
@@ -216,22 +219,42 @@ def _dequantize(tensor, path: str) -> np.ndarray:
     return values if values.flags.writeable else values.copy()  # F32/F16 tensors are views of the mmap
 
 
-def convert_tensors(reader, config: dict, path: str) -> dict[str, torch.Tensor]:
-    """All model tensors of an open GGUF file, dequantized to float32 and named as in transformers."""
+def _keeps_blocks(tensor) -> bool:
+    """Whether a GGUF tensor stays in its blocks: a weight matrix of a type the C GEMM reads."""
+    return len(tensor.shape) == 2 and (tensor.tensor_type.name in BLOCK_TYPES or tensor.tensor_type.name == "F16")
+
+
+def convert_tensors(reader, config: dict, path: str) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """All model tensors of an open GGUF file, named as in transformers: weight matrices of the block types
+    the kernels read as QuantizedWeights, the rest (norms, biases, other types) dequantized to float32."""
     arch = config["model_type"]
     heads_for = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    state_dict: dict[str, torch.Tensor] = {}
+    state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
             logger.info("%s: skipping tensor %s", path, tensor.name)
             continue
-        values = _dequantize(tensor, path)
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-        if arch == "llama" and kind in heads_for:  # qwen2/qwen3 GGUFs are not permuted
+        permuted = arch == "llama" and kind in heads_for  # qwen2/qwen3 GGUFs are not permuted
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        if _keeps_blocks(tensor):
+            order = unpermute_rotary_rows(np.arange(shape[0]), heads_for[kind]) if permuted else None
+            state_dict[name] = QuantizedWeight.from_gguf(tensor.data, tensor.tensor_type.name, shape, order)
+            continue
+        if len(shape) == 2 and tensor.tensor_type.name != "F32":
+            logger.info("%s: tensor %s is %s, which the kernels do not read in blocks: dequantized to float32",
+                        path, tensor.name, tensor.tensor_type.name)
+        values = _dequantize(tensor, path)
+        if permuted:
             values = unpermute_rotary_rows(values, heads_for[kind])
         state_dict[name] = torch.from_numpy(np.ascontiguousarray(values))  # [out, in] or [n]
     return state_dict
+
+
+def dequantized(state_dict: dict) -> dict[str, torch.Tensor]:
+    """The state dict with every QuantizedWeight as its fp32 tensor (the same values)."""
+    return {name: t.dequantize() if isinstance(t, QuantizedWeight) else t for name, t in state_dict.items()}
 
 
 # ---------------------------------------------------------------- cache
@@ -258,26 +281,43 @@ def atomic_write(target: Path, write: Callable[[str], None]) -> None:
             os.remove(tmp)
 
 
-def _read_cache(folder: Path) -> tuple[dict, dict[str, torch.Tensor]] | None:
-    """(config, float32 state dict) from a cache folder, or None if it is absent or unreadable."""
-    from safetensors.torch import load_file
+def _read_cache(folder: Path) -> tuple[dict, dict] | None:
+    """(config, state dict) from a cache folder, or None if it is absent or unreadable."""
+    from safetensors import safe_open
 
     config_file, weights_file = folder / "config.json", folder / "model.safetensors"
     if not (config_file.exists() and weights_file.exists()):
         return None
     try:
-        return json.loads(config_file.read_text()), load_file(str(weights_file))
+        state_dict = {}
+        with safe_open(str(weights_file), framework="pt") as f:
+            packed = json.loads((f.metadata() or {}).get("quantized", "{}"))
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if name in packed:
+                    meta = packed[name]
+                    t = QuantizedWeight(t, meta["format"], meta["group"], tuple(meta["shape"]), meta["qtype"])
+                state_dict[name] = t
+        return json.loads(config_file.read_text()), state_dict
     except Exception as e:  # a damaged cache is rebuilt, not fatal
         logger.warning("ignoring unreadable cache %s: %s", folder, e)
         return None
 
 
-def _write_cache(folder: Path, config: dict, state_dict: dict[str, torch.Tensor]) -> None:
-    """Store a converted checkpoint; the config is written last and marks the entry complete."""
+def _write_cache(folder: Path, config: dict, state_dict: dict) -> None:
+    """Store a converted checkpoint (QuantizedWeights as their packed bytes, described in the file's
+    metadata); the config is written last and marks the entry complete."""
     from safetensors.torch import save_file
 
+    tensors, packed = {}, {}
+    for name, t in state_dict.items():
+        if isinstance(t, QuantizedWeight):
+            packed[name] = {"format": t.format, "group": t.group, "shape": list(t.shape), "qtype": t.qtype}
+            t = t.packed
+        tensors[name] = t
     try:
-        atomic_write(folder / "model.safetensors", lambda tmp: save_file(state_dict, tmp))
+        atomic_write(folder / "model.safetensors",
+                     lambda tmp: save_file(tensors, tmp, metadata={"quantized": json.dumps(packed)}))
         atomic_write(folder / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
     except OSError as e:
         logger.warning("could not cache converted GGUF in %s: %s", folder, e)
@@ -286,8 +326,12 @@ def _write_cache(folder: Path, config: dict, state_dict: dict[str, torch.Tensor]
 # ---------------------------------------------------------------- entry point
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32, use_cache: bool = True) -> tuple[dict, dict]:
-    """(HF config dict, HF-named state dict in `dtype`) for a llama/qwen2/qwen3 GGUF file."""
+def load_gguf(path: str, dtype: torch.dtype = torch.float32, use_cache: bool = True,
+              keep_quantized: bool = False) -> tuple[dict, dict]:
+    """(HF config dict, HF-named state dict) for a llama/qwen2/qwen3 GGUF file.
+
+    keep_quantized (with dtype float32): weight matrices stay QuantizedWeights in the file's blocks; else
+    every tensor is a `dtype` tensor (QuantizedWeights dequantized: exactly the gguf package's values)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     folder = gguf_cache_dir(path) if use_cache else None
@@ -304,4 +348,6 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, use_cache: bool = T
             _write_cache(folder, config, state_dict)
     else:
         config, state_dict = cached
-    return config, {name: t.to(dtype) for name, t in state_dict.items()}
+    if keep_quantized and dtype == torch.float32:
+        return config, state_dict
+    return config, {name: t.to(dtype) for name, t in dequantized(state_dict).items()}

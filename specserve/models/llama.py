@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specserve.models.gguf_quant import cat_rows
 from specserve.models.rope import RotaryEmbedding, apply_rotary, rope_parameters
 from specserve.ops import kernels
 from specserve.ops.attention import AttentionMetadata, paged_attention
@@ -75,9 +76,10 @@ class TorchLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weight_dtype=None):
+def make_linear(weight, bias: torch.Tensor | None = None, weight_dtype=None):
     """The linear-layer implementation used for every projection (the fastest measured on the host).
 
+    weight: a tensor, or a QuantizedWeight (GGUF blocks, which the C GEMM reads as they are: exact).
     weight_dtype None keeps exact fp32; torch.bfloat16 or "int8" store the weight that way (oneDNN bf16,
     int8 with per-channel scales) with fp32 activations: fewer bytes per decode step, approximate results.
     """
@@ -102,10 +104,10 @@ class DecoderLayer:
         if cfg.attention_bias:
             qkv_bias = torch.cat([b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"), b("self_attn.v_proj.bias")])
         self.qkv = make(
-            torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
+            cat_rows([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
             qkv_bias)
         self.o_proj = make(w("self_attn.o_proj.weight"), b("self_attn.o_proj.bias"))
-        self.gate_up = make(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
+        self.gate_up = make(cat_rows([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
         self.down = make(w("mlp.down_proj.weight"))
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
@@ -169,8 +171,11 @@ class LlamaForCausalLM:
     uses_mrope = False  # positions are [N]; the Qwen2-VL family takes [3, N]
 
     def __init__(self, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 aux_hidden_layers: tuple[int, ...] = (), weight_dtype=None) -> None:
-        """dtype: activations and KV cache; weight_dtype: how linear weights are stored (see make_linear)."""
+                 aux_hidden_layers: tuple[int, ...] = (), weight_dtype=None, shard=None) -> None:
+        """dtype: activations and KV cache; weight_dtype: how linear weights are stored (see make_linear).
+
+        shard: None, or one tensor-parallel rank's part (specserve.distributed.sharding.TensorShard): `weights`
+        are then that rank's slices, and `shard.layer_config(config)` gives its layers' head counts."""
         cfg = DecoderConfig.from_hf(hf_config)
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (supported: silu)")
@@ -178,7 +183,8 @@ class LlamaForCausalLM:
         self.dtype = dtype
         self.embed_tokens = weights["model.embed_tokens.weight"]
         self.c_ops = kernels.kernel_usable(dtype)  # fused C layer steps (fp32 only)
-        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", weight_dtype, self.c_ops)
+        self.layer_config = cfg if shard is None else shard.layer_config(cfg)  # this rank's heads
+        self.layers = [DecoderLayer(self.layer_config, weights, f"model.layers.{i}.", weight_dtype, self.c_ops)
                        for i in range(cfg.num_hidden_layers)]
         self.norm = weights["model.norm.weight"]
         lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights.get("lm_head.weight", self.embed_tokens)
@@ -212,7 +218,7 @@ class LlamaForCausalLM:
         return self.config.num_hidden_layers
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        return (num_blocks, block_size, self.layer_config.num_key_value_heads, self.config.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], mm_embeds=None):

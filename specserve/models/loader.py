@@ -55,15 +55,18 @@ def default_model_path() -> str:
     return path
 
 
-def load_model_weights(path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Config and weights (in `dtype`) from a HF folder, a `.gguf` file, or the default model if None."""
+def load_model_weights(path: str | None = None, dtype: torch.dtype = torch.float32,
+                       keep_quantized: bool = False) -> LoadedModel:
+    """Config and weights (in `dtype`) from a HF folder, a `.gguf` file, or the default model if None.
+
+    keep_quantized: a GGUF file's weight matrices stay in their blocks (QuantizedWeight, fp32 only)."""
     path = default_model_path() if path is None else os.fspath(path)
     if os.path.isdir(path):
         config, state_dict = load_hf_folder(path, dtype)
     elif path.endswith(".gguf"):
         from specserve.models.gguf_loader import load_gguf  # here, so HF folders need no gguf import
 
-        config, state_dict = load_gguf(path, dtype)
+        config, state_dict = load_gguf(path, dtype, keep_quantized=keep_quantized)
     elif not os.path.exists(path):
         raise FileNotFoundError(f"Model path not found: {path} (expected a folder or a .gguf file)")
     else:

@@ -176,14 +176,16 @@ class Qwen2VLForCausalLM(LlamaForCausalLM):
     uses_mrope = True
 
     def __init__(self, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 aux_hidden_layers: tuple[int, ...] = (), weight_dtype=None) -> None:
+                 aux_hidden_layers: tuple[int, ...] = (), weight_dtype=None, shard=None) -> None:
+        """shard: one tensor-parallel rank's part of the text decoder (see LlamaForCausalLM); the vision tower
+        is built whole where `weights` hold it."""
         from specserve.models.qwen2_vl_vision import build_vision_tower
 
         text = text_decoder_config(hf_config)
         self.mrope_section = text["mrope_section"]  # read by _make_rotary, which the base constructor calls
         self.vision = build_vision_tower(hf_config, weights)  # None for a checkpoint without the vision tower
         super().__init__(text, text_decoder_weights(weights), dtype=dtype, aux_hidden_layers=aux_hidden_layers,
-                         weight_dtype=weight_dtype)
+                         weight_dtype=weight_dtype, shard=shard)
         if self.vision is not None and self.vision.out_hidden_size != self.config.hidden_size:
             raise ValueError(f"the vision tower's output width {self.vision.out_hidden_size} differs from the "
                              f"language model's hidden_size {self.config.hidden_size}")

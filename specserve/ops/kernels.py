@@ -30,9 +30,10 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "SPECSERVE_KERNELS"
 BACKENDS = ("auto", "c", "torch")
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "decoder.c", "greedy.c", "kv_copy.c",
-                        "ngram.c")]
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("specserve_math.h", "specserve_kernels.h")]
+           for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "gemm_gguf.c", "decoder.c", "greedy.c",
+                        "kv_copy.c", "ngram.c")]
+HEADERS = [Path(__file__).parent / "csrc" / name
+           for name in ("specserve_math.h", "specserve_kernels.h", "gemm_common.h")]
 # -fno-trapping-math lets GCC vectorize floorf (no FP exceptions are relied on anywhere).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -122,7 +123,9 @@ def _bind(lib):
         "gemm_packed_f32": ([ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "gemm_packed_i8": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i64], None),
         "argmax_rows_f32": ([ptr, i64, i64, ptr], None),
-        "lm_head_argmax_f32": ([ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr], ctypes.c_int),
+        "gemm_weight_f32": ([ptr, ptr, i64, i64, ptr, ptr, i64, i64, i64], ctypes.c_int),
+        "weight_rows_f32": ([ptr, i64, i64, i64, ptr, i64, ptr], None),
+        "lm_head_argmax_f32": ([ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr], ctypes.c_int),
         "ngram_match_i64": ([ptr, i64, i64, i64, i64], ctypes.c_int64),
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
                                  i64, i64, i64, i64, f32, f32, ptr, i64, ptr], ctypes.c_int),
@@ -237,6 +240,37 @@ def gemm_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
+# Formats of csrc/gemm_gguf.c's packed weights (specserve_kernels.h); see specserve.models.gguf_quant.
+WEIGHT_F32, WEIGHT_Q4, WEIGHT_Q8, WEIGHT_F16 = 0, 2, 3, 4
+
+
+def gemm_weight(x: torch.Tensor, packed: torch.Tensor, weight_format: tuple[int, int], bias: torch.Tensor | None,
+                out_features: int) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, N] for W packed in one of gemm_weight's formats (csrc/gemm_gguf.c):
+    bitwise what gemm_packed gives on the dequantized fp32 weight."""
+    _check(x=x, **({"bias": bias} if bias is not None else {}))
+    if not packed.is_contiguous():
+        raise ValueError("C kernel: packed must be contiguous")
+    rows, k = x.shape
+    y = x.new_empty(rows, out_features)
+    if rows and _lib().gemm_weight_f32(x.data_ptr(), packed.data_ptr(), *weight_format, _ptr(bias), y.data_ptr(),
+                                       rows, k, out_features):
+        raise ValueError(f"gemm_weight: unsupported weight format {weight_format}")
+    return y
+
+
+def weight_rows(packed: torch.Tensor, weight_format: tuple[int, int], in_features: int,
+                ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` ([R] int64, each in range) of the dequantized weight [N, K] packed in gemm_weight's format:
+    [R, K] fp32, the values the GEMM multiplies by."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)
+    if ids.shape[0]:
+        _lib().weight_rows_f32(packed.data_ptr(), *weight_format, in_features, ids.data_ptr(), ids.shape[0],
+                               out.data_ptr())
+    return out
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] fp32 -> (q [N, K] int8, scales [N] fp32): symmetric per-output-channel quantization,
     q = round(w / scale) with scale = max|w[n]| / 127."""
@@ -285,11 +319,15 @@ def pack_argmax_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def lm_head_argmax(x: torch.Tensor, packed: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                   col_sum: torch.Tensor, w_l1: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+                   col_sum: torch.Tensor, w_l1: torch.Tensor, allowed: torch.Tensor | None = None,
+                   weight_format: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """x [M, K] -> [M] int64: torch.argmax of gemm_packed(x, packed, None, N) per row, exactly, screened
     through pack_argmax_screen's int8 copy (q, scale, col_sum, w_l1) of the same weight (csrc/greedy.c);
-    with allowed [M, N] bool, the argmax of the logits where the others are -inf."""
-    _check(x=x, packed=packed, scale=scale)
+    with allowed [M, N] bool, the argmax of the logits where the others are -inf. weight_format: (format,
+    group) of `packed` for gemm_weight ((0, 0): fp32 blocks of pack_gemm_weight)."""
+    _check(x=x, scale=scale)
+    if not packed.is_contiguous():
+        raise ValueError("C kernel: packed must be contiguous")
     _check(torch.int8, q=q)
     _check(torch.int32, col_sum=col_sum)
     _check(torch.float64, w_l1=w_l1)
@@ -299,7 +337,7 @@ def lm_head_argmax(x: torch.Tensor, packed: torch.Tensor, q: torch.Tensor, scale
         if allowed.shape != (rows, scale.shape[0]):
             raise ValueError(f"allowed must be [{rows}, {scale.shape[0]}], got {list(allowed.shape)}")
     out = torch.empty(rows, dtype=torch.int64)
-    if rows and _lib().lm_head_argmax_f32(x.data_ptr(), packed.data_ptr(), q.data_ptr(), scale.data_ptr(),
+    if rows and _lib().lm_head_argmax_f32(x.data_ptr(), packed.data_ptr(), *weight_format, q.data_ptr(), scale.data_ptr(),
                                          col_sum.data_ptr(), w_l1.data_ptr(), _ptr(allowed), rows, k,
                                          scale.shape[0], out.data_ptr()):
         raise MemoryError("lm_head_argmax: out of memory for its work buffers")
@@ -307,8 +345,10 @@ def lm_head_argmax(x: torch.Tensor, packed: torch.Tensor, q: torch.Tensor, scale
 
 
 class LinearC(ctypes.Structure):
-    """csrc/decoder.c's linear_t: packed weight, int8 scales (NULL: fp32 weight), bias (NULL: none)."""
-    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+    """csrc/decoder.c's linear_t: packed weight, int8 scales (NULL: the weight's format says), bias (NULL:
+    none), the weight's format and group (gemm_weight)."""
+    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("format", ctypes.c_int64), ("group", ctypes.c_int64)]
 
 
 class DecoderLayerC(ctypes.Structure):
@@ -323,9 +363,9 @@ def _ptr(t: torch.Tensor | None):
 
 
 def linear_c(operands: tuple) -> LinearC:
-    """A LinearC from FastLinear.c_operands(): (packed weight, scales or None, bias or None)."""
-    weight, scale, bias = operands
-    return LinearC(weight.data_ptr(), _ptr(scale), _ptr(bias))
+    """A LinearC from FastLinear.c_operands(): (packed weight, scales or None, bias or None, (format, group))."""
+    weight, scale, bias, (fmt, group) = operands
+    return LinearC(weight.data_ptr(), _ptr(scale), _ptr(bias), fmt, group)
 
 
 def decoder_forward(layers, x: torch.Tensor, final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

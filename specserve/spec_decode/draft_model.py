@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.models.gguf_quant import QuantizedWeight
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
 from specserve.ops.attention import paged_metadata
@@ -119,4 +120,9 @@ def _is_self_draft(draft, target) -> bool:
     the same embeddings. Only the draft's quality depends on it; verification keeps the output exact."""
     same_shapes = (draft.num_layers == target.num_layers and draft.kv_cache_shape(1, 16) == target.kv_cache_shape(1, 16)
                    and draft.dtype == target.dtype == torch.float32)
-    return same_shapes and torch.equal(draft.embed_tokens, target.embed_tokens)
+    return same_shapes and torch.equal(_dense(draft.embed_tokens), _dense(target.embed_tokens))
+
+
+def _dense(weight) -> torch.Tensor:
+    """An embedding as an fp32 tensor (a GGUF one kept in its blocks, dequantized)."""
+    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight

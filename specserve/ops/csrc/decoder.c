@@ -15,11 +15,13 @@
 
 #include "specserve_kernels.h"
 
-/* One projection: packed blocks of fp32 weights (scale NULL) or int8 weights with per-column scales. */
+/* One projection: int8 weights with per-column scales (scale set), or packed blocks of another format
+ * (scale NULL: gemm_weight's fp32, F16 or GGUF blocks). */
 typedef struct {
     const void *weight;
     const float *scale;
     const float *bias;
+    int64_t format, group;
 } linear_t;
 
 /* Field order mirrors specserve/ops/kernels.py's DecoderLayerC. */
@@ -30,10 +32,12 @@ typedef struct {
 } layer_t;
 
 static void linear(const linear_t *l, const float *x, float *y, int64_t rows, int64_t in, int64_t out) {
-    if (l->scale)
+    if (l->scale) {
         gemm_packed_i8(x, (const int8_t *)l->weight, l->scale, l->bias, y, rows, in, out);
-    else
-        gemm_packed_f32(x, (const float *)l->weight, l->bias, y, rows, in, out);
+    } else {
+        const weight_t w = {l->weight, l->format, l->group};
+        gemm_weight(x, &w, l->bias, y, rows, in, out);
+    }
 }
 
 /* Returns 0 on success, 1 when a buffer could not be allocated. */

@@ -1,12 +1,12 @@
-/* The exact argmax of an fp32 LM head's logits, y = x @ W^T, without streaming all of W.
+/* The exact argmax of an LM head's logits, y = x @ W^T, without streaming all of W (fp32 or GGUF blocks).
  *
  * Greedy decoding and greedy verification need only each row's argmax, but the LM head is the largest
  * layer (SmolLM2: 49152 x 576, 113 MB fp32, ~2 ms of a ~11 ms step). An int8 copy of W (a quarter of
  * the bytes) screens the vocabulary with exact integer dot products; a column whose screened logit plus
  * its error bound falls below another's minus that one's bound cannot be the maximum, and the few that
- * survive are recomputed exactly as gemm_packed_f32 computes them (the same chain of multiply-adds over
- * k, so the same bits); the first maximum wins, as in torch.argmax. Rows with non-finite inputs or too
- * many survivors get the full fp32 row instead.
+ * survive are recomputed exactly as gemm_weight computes them (the same chain of multiply-adds over k, so
+ * the same bits); the first maximum wins, as in torch.argmax. Rows with non-finite inputs or too many
+ * survivors get the full row instead.
  *
  * The screen. W[n] ~ s_n q[n] with q = round(W[n] / s_n) in int8, s_n = max |W[n]| / 127, so
  * |W[n, k] - s_n q[n, k]| <= s_n / 2. Each row x is written as two int8 terms, x ~ t p + t2 p2 (p =
@@ -40,28 +40,14 @@
 
 typedef float v16 __attribute__((vector_size(64)));
 
-/* Output column n of gemm_packed_f32 (no bias) for one row, computed exactly as that kernel computes it:
- * the same 16-lane vector expression over the half-block holding n (so the compiler contracts it into the
- * same fused multiply-adds; a scalar loop was left as separate multiplies and adds), lane n % 16 kept. */
-static float packed_column(const float *x, const float *packed, int64_t K, int64_t n) {
-    const float *w = packed + (n / BLOCK) * K * BLOCK + (n % BLOCK) / 16 * 16;
-    v16 acc = {0};
-    for (int64_t k = 0; k < K; k++) {
-        v16 wv;
-        memcpy(&wv, w + k * BLOCK, sizeof wv);
-        acc += x[k] * wv;
-    }
-    return acc[n % 16];
-}
-
-/* The full row through the fp32 GEMM, then torch.argmax's answer over the allowed columns (all when allowed
+/* The full row through the GEMM, then torch.argmax's answer over the allowed columns (all when allowed
  * is NULL; a row allowing none gets 0, as torch.argmax of all -inf). Rare: its buffer is allocated here.
  * Returns 0, or 1 when the buffer could not be allocated. */
-static int full_row(const float *x, const float *packed, int64_t K, int64_t N, const uint8_t *allowed,
+static int full_row(const float *x, const weight_t *packed, int64_t K, int64_t N, const uint8_t *allowed,
                     int64_t *out) {
     float *y = malloc(sizeof(float) * N);
     if (!y) return 1;
-    gemm_packed_f32(x, packed, NULL, y, 1, K, N);
+    gemm_weight(x, packed, NULL, y, 1, K, N);
     if (allowed)
         for (int64_t n = 0; n < N; n++)
             if (!allowed[n]) y[n] = -INFINITY;
@@ -180,7 +166,7 @@ static void screen_dots(const uint8_t *xu, int64_t R, int64_t K4, const int8_t *
 
 /* One row: its two terms' dot products d1, d2 [Np] in, the exact argmax out; 1 when a fallback to the full
  * row could not allocate its buffer. */
-static int row_argmax(const float *x, const float *packed, const float *scale, const int32_t *col_sum,
+static int row_argmax(const float *x, const weight_t *packed, const float *scale, const int32_t *col_sum,
                       const double *w_l1, const int32_t *d1, const int32_t *d2, const double row[4], int64_t K,
                       int64_t N, const uint8_t *allowed, int64_t *out) {
     const double t = row[0], t2 = row[1], e = row[2], l1 = row[3]; /* see lm_head_argmax_f32 */
@@ -212,7 +198,7 @@ static int row_argmax(const float *x, const float *packed, const float *scale, c
         for (int64_t n = g * SCAN; n < n1; n++) {
             if ((allowed && !allowed[n]) || SCREENED(n) + BOUND(n) < threshold) continue;
             if (++count > MAX_CANDIDATES) return full_row(x, packed, K, N, allowed, out);
-            const float v = packed_column(x, packed, K, n);
+            const float v = weight_column(x, packed, K, n);
             if (v != v) return full_row(x, packed, K, N, allowed, out); /* NaN: torch.argmax reports the first */
             if (best < 0 || v > best_value) {
                 best = n;
@@ -226,15 +212,17 @@ static int row_argmax(const float *x, const float *packed, const float *scale, c
 #undef SCREENED
 #undef BOUND
 
-/* x: [M, K]; packed: W [N, K] in gemm_packed_f32's blocks; the screen (see the top of this file): q packed as
+/* x: [M, K]; packed: W [N, K] in gemm_weight's blocks of `format` with `group` k's per scale record (fp32:
+ * WEIGHT_F32, any group); the screen (see the top of this file): q packed as
  * [ceil(N / 16)][ceil(K / 4)][16][4] int8, scale [N] (max |W[n]| / 127), col_sum [N] (sum_k q[n, k]), w_l1 [N]
  * (sum_k |W[n, k]|); allowed: NULL, or [M, N] bytes, nonzero where a column may win (structured output's
  * masks: the argmax of the logits with the others at -inf); out: [M] int64. Returns 0, or 1 when a work buffer
  * could not be allocated. */
-int lm_head_argmax_f32(const float *x, const float *packed, const int8_t *q, const float *scale,
+int lm_head_argmax_f32(const float *x, const void *data, int64_t format, int64_t group, const int8_t *q, const float *scale,
                        const int32_t *col_sum, const double *w_l1, const uint8_t *allowed, int64_t M, int64_t K,
                        int64_t N, int64_t *out) {
     const int64_t K4 = (K + 3) / 4, Np = (N + SCREEN_COLS - 1) / SCREEN_COLS * SCREEN_COLS;
+    const weight_t weight = {data, format, group}, *packed = &weight;
     uint8_t *xu = malloc(2 * M * K4 * 4 + 1);
     int32_t *dots = malloc(sizeof(int32_t) * (2 * M * Np + 1));
     double *rows = malloc(sizeof(double) * (4 * M + 1)); /* per row: t, t2, e (quantize_row), ||x||_1 */

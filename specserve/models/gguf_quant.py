@@ -1,0 +1,269 @@
+"""GGUF weights kept in their quantized blocks, repacked for the C GEMM (csrc/gemm_gguf.c).
+
+Each supported block type stores a weight row as groups of G consecutive values w = a * q + b, q a small
+integer and a, b per group (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K: G = 32; Q6_K: G = 16). `decode_blocks` reads a
+tensor's blocks into q [N, K] and a, b [N, K / G] (fp32, each a product of the file's fp16 scales and its
+small integer scales, exact in fp32); `QuantizedWeight.pack` lays them out for the kernel: per block of 32
+output columns, per group, a[32] and b[32] then the group's q, 4 bits a value (Q4: q in 0..15) or 8 (Q8).
+Because a * q is exact, a * q + b rounds once, so the kernel's in-register values, `dequantize()` and the
+gguf package's dequantizer agree value for value (Q4_0's zero weights can differ in sign, which no sum
+sees). F16 weights keep their halves in the fp32 GEMM's block layout.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.ops import kernels
+
+logger = logging.getLogger(__name__)
+
+BLOCK = kernels.GEMM_BLOCK  # output columns per packed block
+Q4, Q8, F16 = kernels.WEIGHT_Q4, kernels.WEIGHT_Q8, kernels.WEIGHT_F16
+_FORMAT_NAMES = {Q4: "q4", Q8: "q8", F16: "f16"}
+_SUPER = 256  # values per k-quant super-block
+
+
+def _halves(raw: np.ndarray, at: int) -> np.ndarray:
+    """[nblocks] float32 from the little-endian fp16 at byte `at` of each block."""
+    return raw[:, at:at + 2].copy().view(np.float16)[:, 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, B] bytes -> [n, 2B]: the B low nibbles, then the B high nibbles."""
+    return np.concatenate([qs & 15, qs >> 4], axis=1)
+
+
+def _decode_q4_0(raw):
+    d = _halves(raw, 0)[:, None]
+    return _nibbles(raw[:, 2:18]), d, -8 * d
+
+
+def _decode_q4_1(raw):
+    return _nibbles(raw[:, 4:20]), _halves(raw, 0)[:, None], _halves(raw, 2)[:, None]
+
+
+def _decode_q8_0(raw):
+    d = _halves(raw, 0)[:, None]
+    return raw[:, 2:34].view(np.int8), d, np.full_like(d, -0.0)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and eight 6-bit mins -> ([n, 8], [n, 8]) uint8."""
+    lo, hi, mixed = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = np.concatenate([lo & 63, (mixed & 15) | ((lo >> 6) << 4)], axis=1)
+    mins = np.concatenate([hi & 63, (mixed >> 4) | ((hi >> 6) << 4)], axis=1)
+    return scales, mins
+
+
+def _k_groups(raw, q: np.ndarray):
+    """a, b [n, 8] of a Q4_K/Q5_K super-block: a = d * scale, b = -(dmin * min)."""
+    scales, mins = _k_scales(raw[:, 4:16])
+    a = _halves(raw, 0)[:, None] * scales.astype(np.float32)
+    b = -(_halves(raw, 2)[:, None] * mins.astype(np.float32))
+    return q, a, b
+
+
+def _decode_q4_k(raw):
+    # 4 chunks of 32 bytes: each chunk's low nibbles are one group of 32 values, its high nibbles the next
+    qs = raw[:, 16:144].reshape(-1, 4, 32)
+    q = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, _SUPER)
+    return _k_groups(raw, q)
+
+
+def _decode_q5_k(raw):
+    qh = raw[:, 16:48]  # bit i of byte l: the fifth bit of value l of group i
+    qs = raw[:, 48:176].reshape(-1, 4, 32)
+    low = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)
+    high = np.stack([(qh >> i) & 1 for i in range(8)], axis=1)
+    return _k_groups(raw, (low | (high << 4)).reshape(-1, _SUPER))
+
+
+def _decode_q6_k(raw):
+    ql, qh = raw[:, 0:128].reshape(-1, 2, 64), raw[:, 128:192].reshape(-1, 2, 32)
+    # per half of 128 values: low 4 bits from ql's 64 bytes (low nibbles, then high nibbles), top 2 bits from
+    # qh's 32 bytes (bit pairs 0-1, 2-3, 4-5, 6-7 for the four runs of 32)
+    low = np.concatenate([ql & 15, ql >> 4], axis=2).reshape(-1, 2, 4, 32)
+    high = np.stack([(qh >> (2 * i)) & 3 for i in range(4)], axis=2)
+    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(-1, _SUPER)
+    d = _halves(raw, 208)[:, None]
+    a = d * raw[:, 192:208].view(np.int8).astype(np.float32)
+    return q, a, np.full_like(a, -0.0)
+
+
+# GGUF type name -> (decoder, kernel format, group, values per block, bytes per block)
+BLOCK_TYPES = {
+    "Q4_0": (_decode_q4_0, Q4, 32, 32, 18),
+    "Q4_1": (_decode_q4_1, Q4, 32, 32, 20),
+    "Q8_0": (_decode_q8_0, Q8, 32, 32, 34),
+    "Q4_K": (_decode_q4_k, Q4, 32, _SUPER, 144),
+    "Q5_K": (_decode_q5_k, Q8, 32, _SUPER, 176),
+    "Q6_K": (_decode_q6_k, Q8, 16, _SUPER, 210),
+}
+
+
+def decode_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]):
+    """A GGUF tensor's raw blocks (uint8, [N, K / values_per_block * bytes_per_block] or flat) -> (q [N, K]
+    uint8/int8, a [N, K / G] fp32, b [N, K / G] fp32, format, G)."""
+    decoder, fmt, group, per_block, nbytes = BLOCK_TYPES[type_name]
+    n, k = shape
+    if k % per_block:
+        raise ValueError(f"{type_name} rows of {k} values are not whole blocks of {per_block}")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, nbytes)
+    if blocks.shape[0] != n * k // per_block:
+        raise ValueError(f"{type_name} tensor {list(shape)}: expected {n * k // per_block} blocks, got {blocks.shape[0]}")
+    q, a, b = decoder(blocks)
+    return (q.reshape(n, k), a.astype(np.float32).reshape(n, k // group), b.astype(np.float32).reshape(n, k // group),
+            fmt, group)
+
+
+@dataclass
+class QuantizedWeight:
+    """A [N, K] weight in a packed GGUF form (see the module docstring); `qtype` names the file's block type.
+
+    Indexing with token ids gives fp32 rows (an embedding lookup); `dequantize()` the whole fp32 weight.
+    """
+
+    packed: torch.Tensor  # uint8 (q4, q8) or int16 (f16), flat
+    format: int
+    group: int
+    shape: tuple[int, int]
+    qtype: str
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def pack(cls, q: np.ndarray, a: np.ndarray, b: np.ndarray, fmt: int, group: int, qtype: str) -> "QuantizedWeight":
+        """From q [N, K] and a, b [N, K / group] (decode_blocks' form)."""
+        n, k = q.shape
+        if k % group or a.shape != (n, k // group) or b.shape != a.shape:
+            raise ValueError(f"q {list(q.shape)} and scales {list(a.shape)} do not fit groups of {group}")
+        pad = -n % BLOCK
+        q = np.pad(q, ((0, pad), (0, 0)))
+        a, b = (np.pad(t.astype(np.float32), ((0, pad), (0, 0))) for t in (a, b))
+        nb, ng = (n + pad) // BLOCK, k // group
+        # [block, group, column] scales and [block, group, k, column] values
+        scales = [t.reshape(nb, BLOCK, ng).transpose(0, 2, 1).copy().view(np.uint8) for t in (a, b)]
+        values = q.reshape(nb, BLOCK, ng, group).transpose(0, 2, 3, 1)
+        if fmt == Q4:
+            values = (values[..., :16].astype(np.uint8) | (values[..., 16:].astype(np.uint8) << 4))
+        else:
+            values = values.astype(np.int8).view(np.uint8)
+        records = np.concatenate([*scales, values.reshape(nb, ng, -1)], axis=2)
+        return cls(torch.from_numpy(np.ascontiguousarray(records).reshape(-1)), fmt, group, (n, k), qtype)
+
+    @classmethod
+    def from_f16(cls, halves: np.ndarray) -> "QuantizedWeight":
+        """From an F16 tensor [N, K]: the fp32 GEMM's block layout in halves."""
+        n, k = halves.shape
+        padded = np.zeros((n + (-n % BLOCK), k), dtype=np.float16)
+        padded[:n] = halves
+        blocks = padded.reshape(-1, BLOCK, k).transpose(0, 2, 1)
+        return cls(torch.from_numpy(np.ascontiguousarray(blocks).view(np.int16).reshape(-1)), F16, 0, (n, k), "F16")
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, type_name: str, shape: tuple[int, int],
+                  row_order: np.ndarray | None = None) -> "QuantizedWeight":
+        """From a GGUF tensor's raw data; row_order: a permutation of the N rows to apply (llama's q/k)."""
+        if type_name == "F16":
+            halves = np.ascontiguousarray(raw).view(np.float16).reshape(shape)
+            return cls.from_f16(halves if row_order is None else halves[row_order])
+        q, a, b, fmt, group = decode_blocks(raw, type_name, shape)
+        if row_order is not None:
+            q, a, b = q[row_order], a[row_order], b[row_order]
+        return cls.pack(q, a, b, fmt, group, type_name)
+
+    # ------------------------------------------------------------------ reading back
+
+    @property
+    def weight_format(self) -> tuple[int, int]:
+        """(format, group) as the C kernels take them."""
+        return self.format, self.group
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32  # the values it gives
+
+    def unpack(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q [N, K], a, b [N, K / group]) of a Q4/Q8 weight: the inverse of `pack`."""
+        if self.format == F16:
+            raise ValueError("an F16 weight has no groups")
+        n, k = self.shape
+        nb, ng, group = -(-n // BLOCK), k // self.group, self.group
+        records = self.packed.numpy().reshape(nb, ng, -1)
+        a, b = (records[:, :, i * 128:(i + 1) * 128].copy().view(np.float32).transpose(0, 2, 1).reshape(-1, ng)[:n]
+                for i in range(2))
+        values = records[:, :, 256:].reshape(nb, ng, group, -1)
+        if self.format == Q4:
+            values = np.concatenate([values & 15, values >> 4], axis=3)
+        else:
+            values = values.view(np.int8)
+        q = values.transpose(0, 3, 1, 2).reshape(nb * BLOCK, k)[:n]
+        return q, a, b
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [N, K] (in C when the kernels are built, else numpy: the same values)."""
+        if kernels.kernel_enabled():
+            return kernels.weight_rows(self.packed, self.weight_format, self.shape[1], torch.arange(self.shape[0]))
+        n, k = self.shape
+        if self.format == F16:
+            blocks = self.packed.numpy().view(np.float16).reshape(-1, k, BLOCK)
+            return torch.from_numpy(blocks.transpose(0, 2, 1).reshape(-1, k)[:n].astype(np.float32))
+        q, a, b = self.unpack()
+        g = self.group
+        values = q.astype(np.float32).reshape(n, k // g, g) * a[:, :, None] + b[:, :, None]
+        return torch.from_numpy(np.ascontiguousarray(values.reshape(n, k), dtype=np.float32))
+
+    def __getitem__(self, ids) -> torch.Tensor:
+        """fp32 rows: weight[ids] for an int64 tensor of row ids (an embedding lookup)."""
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
+            raise IndexError(f"row ids must be in [0, {self.shape[0]}), got [{int(flat.min())}, {int(flat.max())}]")
+        if kernels.kernel_enabled():
+            rows = kernels.weight_rows(self.packed, self.weight_format, self.shape[1], flat)
+        else:
+            rows = self.dequantize()[flat]
+        return rows.reshape(*ids.shape, self.shape[1])
+
+    def describe(self) -> str:
+        return f"{self.qtype} ({_FORMAT_NAMES[self.format]}, {self.nbytes / 2**20:.1f} MiB)"
+
+
+def cat_rows(weights: list) -> "QuantizedWeight | torch.Tensor":
+    """Concatenate weights along their output rows (fused q/k/v, gate/up). Quantized parts with the same
+    format and group stay quantized; mixed parts are brought to a common form (Q4 values widen to Q8, groups
+    of 32 split into 16); parts with F16 or fp32 among quantized ones are dequantized, with a log line."""
+    if not any(isinstance(w, QuantizedWeight) for w in weights):
+        return torch.cat(weights)
+    if not all(isinstance(w, QuantizedWeight) and w.format in (Q4, Q8) for w in weights):
+        if all(isinstance(w, QuantizedWeight) and w.format == F16 for w in weights):
+            return QuantizedWeight.from_f16(np.concatenate([w.dequantize().numpy().astype(np.float16) for w in weights]))
+        logger.info("fusing weights of types %s: dequantized to fp32", [getattr(w, "qtype", "F32") for w in weights])
+        return torch.cat([w.dequantize() if isinstance(w, QuantizedWeight) else w for w in weights])
+    fmt = Q4 if all(w.format == Q4 for w in weights) else Q8
+    group = min(w.group for w in weights)
+    same_form = all(w.weight_format == (fmt, group) for w in weights)
+    if same_form and all(w.shape[0] % BLOCK == 0 for w in weights[:-1]):
+        packed = torch.cat([w.packed for w in weights])  # whole column blocks: the records follow each other
+        n = sum(w.shape[0] for w in weights)
+        return QuantizedWeight(packed, fmt, group, (n, weights[0].shape[1]), _joined_qtype(weights))
+    parts = []
+    for w in weights:
+        q, a, b = w.unpack()
+        repeat = w.group // group
+        parts.append((q.astype(np.int16), np.repeat(a, repeat, axis=1), np.repeat(b, repeat, axis=1)))
+    q, a, b = (np.concatenate(t) for t in zip(*parts))
+    return QuantizedWeight.pack(q.astype(np.uint8 if fmt == Q4 else np.int8), a, b, fmt, group, _joined_qtype(weights))
+
+
+def _joined_qtype(weights) -> str:
+    names = sorted({w.qtype for w in weights})
+    return names[0] if len(names) == 1 else "+".join(names)

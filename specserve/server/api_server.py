@@ -25,6 +25,7 @@ from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
     ModelCard, ModelList)
+from specserve.server.replicas import BACKENDS, ReplicaClient
 from specserve.server.serving import APIError, ServingContext
 
 logger = logging.getLogger("specserve.server")
@@ -88,9 +89,15 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
         return ModelList(data=[ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.max_model_len)
                                for name in ctx.served_model_names])
 
-    @app.get("/health", responses={503: {"description": "the engine is not running"}})
+    @app.get("/health", responses={503: {"description": "the engine is not running (with replicas: none is)"}})
     async def health() -> Response:
-        return Response(status_code=200 if ctx.engine.is_running else 503)
+        status = 200 if ctx.engine.is_running else 503
+        replica_states = getattr(ctx.engine, "replica_states", None)  # only the replica router has them
+        if replica_states is None:
+            return Response(status_code=status)
+        states = replica_states()
+        return JSONResponse({"replicas_alive": sum(s["alive"] for s in states), "replicas": states},
+                            status_code=status)
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus_metrics() -> Response:
@@ -191,6 +198,15 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may run on after SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas behind this server, each in its own process (or Ray actor) with its own "
+                        "KV cache; new requests go to the least-loaded live one (default: %(default)s)")
+    p.add_argument("--data-parallel-backend", choices=BACKENDS, default="mp",
+                   help="where replicas run: mp, local processes; ray, Ray actors, one CPU bundle each "
+                        "(needs pip install specserve[ray]) (default: %(default)s)")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to place replicas on (default: $RAY_ADDRESS, else a cluster started on this "
+                        "host with `ray start`, else a new local Ray instance)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -210,13 +226,44 @@ def build_app_from_args(args) -> FastAPI:
 
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
-    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+    dp_size, dp_backend = getattr(args, "data_parallel_size", 1), getattr(args, "data_parallel_backend", "mp")
+    if dp_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {dp_size}")
+    if getattr(args, "ray_address", None) and dp_backend != "ray":
+        raise ValueError("--ray-address needs --data-parallel-backend ray")
+    if dp_backend == "ray":
+        from specserve.server.replicas.ray_actor import import_ray
+
+        try:
+            import_ray()
+        except ImportError as exc:  # a missing extra is the user's setup, reported like bad input
+            raise ValueError(str(exc)) from None
+    config = EngineConfig(**engine_kwargs(args))
     names = served_model_names(args)
+    if dp_size > 1 or dp_backend == "ray":
+        return _build_replicated_app(args, config, names)
+    engine = LLMEngine(config)
     async_engine = AsyncLLM(engine, max_waiting_requests=args.max_waiting_requests)
     metrics = ServerMetrics(async_engine, names[0])
     async_engine.stat_logger = metrics
     ctx = ServingContext(async_engine, engine.tokenizer, names, engine.max_model_len,
                          engine.model.config.vocab_size, args.model)
+    return build_app(ctx, metrics, api_key=args.api_key)
+
+
+def _build_replicated_app(args, config, names: list[str]) -> FastAPI:
+    """The app over `--data-parallel-size` replicas: the router process keeps only the tokenizer; each
+    replica loads the model and owns its KV cache."""
+    from specserve.tokenizer import load_tokenizer
+
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
+    client = ReplicaClient(config, args.data_parallel_size, args.data_parallel_backend,
+                           max_waiting_requests=args.max_waiting_requests, ray_address=args.ray_address,
+                           log_level=args.log_level)
+    metrics = ServerMetrics(client, names[0], num_replicas=args.data_parallel_size)
+    client.stat_logger = metrics
+    info = client.launch()
+    ctx = ServingContext(client, tokenizer, names, info.max_model_len, info.vocab_size, args.model)
     return build_app(ctx, metrics, api_key=args.api_key)
 
 

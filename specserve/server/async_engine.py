@@ -31,11 +31,12 @@ class RequestAbortedError(RuntimeError):
 
 
 class StatLogger(Protocol):
-    """Told about every output and abort, on the engine thread."""
+    """Told about every output and abort, on the engine thread (with several replicas: on the event loop, with
+    the index of the replica that produced the output)."""
 
-    def record_output(self, output: RequestOutput) -> None: ...
+    def record_output(self, output: RequestOutput, replica: int | None = None) -> None: ...
 
-    def record_abort(self, request_id: str) -> None: ...
+    def record_abort(self, request_id: str, replica: int | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,36 @@ class _Stop:
     reason: str = "server shutting down"
 
 
-class AsyncLLM:
+class OutputStreams:
+    """Reading a request's RequestStream, shared by AsyncLLM and the replica router; the class supplies
+    `add_request` and `abort`."""
+
+    async def outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes; outputs that piled up are merged (they are cumulative).
+        Leaving early (break, cancellation, client gone) aborts the request."""
+        try:
+            while not stream.finished:
+                item = await stream.queue.get()
+                while not stream.queue.empty() and not _is_final(item):
+                    item = stream.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    stream.finished = True
+                    raise item
+                stream.finished = item.finished
+                yield item
+        finally:
+            if not stream.finished:
+                stream.finished = True
+                self.abort(stream.request_id)
+
+    async def generate(self, request_id: str, prompt, params) -> AsyncIterator[RequestOutput]:
+        """add_request + outputs in one call."""
+        stream = await self.add_request(request_id, prompt, params)
+        async for out in self.outputs(stream):
+            yield out
+
+
+class AsyncLLM(OutputStreams):
     """Serve an `LLMEngine` (or anything with its add/abort/step methods) to asyncio code.
 
     `max_waiting_requests` bounds the requests that are queued but not yet scheduled; past it `add_request`
@@ -166,30 +196,6 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Thread-safe and idempotent: frees the request's KV blocks on the engine thread."""
         self._commands.put(_Abort(request_id))
-
-    async def outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        """The request's outputs until it finishes; outputs that piled up are merged (they are cumulative).
-        Leaving early (break, cancellation, client gone) aborts the request."""
-        try:
-            while not stream.finished:
-                item = await stream.queue.get()
-                while not stream.queue.empty() and not _is_final(item):
-                    item = stream.queue.get_nowait()
-                if isinstance(item, BaseException):
-                    stream.finished = True
-                    raise item
-                stream.finished = item.finished
-                yield item
-        finally:
-            if not stream.finished:
-                stream.finished = True
-                self.abort(stream.request_id)
-
-    async def generate(self, request_id: str, prompt, params) -> AsyncIterator[RequestOutput]:
-        """add_request + outputs in one call."""
-        stream = await self.add_request(request_id, prompt, params)
-        async for out in self.outputs(stream):
-            yield out
 
     # ---- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:

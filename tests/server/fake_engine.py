@@ -88,3 +88,13 @@ class FakeEngine:
 
     def get_metrics(self) -> EngineMetrics:
         return self.metrics
+
+
+def build_fake_engine(config) -> FakeEngine:
+    """An engine factory for replica processes: a FakeEngine sized by the replicas' config."""
+    from types import SimpleNamespace
+
+    engine = FakeEngine(max_running=config.max_num_seqs)
+    engine.max_model_len = config.max_model_len or 64
+    engine.model = SimpleNamespace(config=SimpleNamespace(vocab_size=0x110000))
+    return engine

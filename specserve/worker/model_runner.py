@@ -137,9 +137,10 @@ class ModelRunner:
         return self.proposer.needs.num_lookahead_tokens if self.proposer is not None else 0
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block of the target's KV plus the drafter's (which follows the same tables)."""
-        cfg = self.model.config
-        specs = [KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.model.dtype)]
+        """Bytes of one block of the target's KV plus the drafter's (which follows the same tables); under
+        tensor parallelism the target's part counts this rank's KV heads."""
+        _, _, num_kv_heads, head_dim = self.model.kv_cache_shape(1, self.block_size)
+        specs = [KVCacheSpec(self.model.config.num_hidden_layers, num_kv_heads, head_dim, self.model.dtype)]
         if self.proposer is not None and self.proposer.needs.kv is not None:
             specs.append(self.proposer.needs.kv)
         return sum(spec.bytes_per_block(self.block_size) for spec in specs)

@@ -1,10 +1,11 @@
 """The driver's side of tensor parallelism: start the workers, send them each command, stop them.
 
-Workers are local processes (`mp`, the default) or Ray actors (`ray`, ray_workers.py). Every command runs
-under one lock, broadcast first and then run on the driver's own shard. If anything fails inside a
-command (a worker died: its sockets close and the pending collective raises), the ranks can no longer be
-trusted to be in step: the executor stops every worker and refuses further commands, naming the rank
-that failed and how. Workers are also stopped when the executor is garbage collected or the process exits.
+Workers are local processes (`mp`, the default), Ray actors (`ray`, ray_workers.py) or the other ranks of a
+torchrun launch (torchrun.py). Every command runs under one lock, broadcast first and then run on the
+driver's own shard. If anything fails inside a command (a worker died: its sockets close and the pending
+collective raises), the ranks can no longer be trusted to be in step: the executor stops every worker and
+refuses further commands, naming the rank that failed and how. Workers are also stopped when the executor
+is garbage collected or the process exits.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from specserve.distributed.group import TensorParallelGroup, driver_store
 from specserve.distributed.worker import SHUTDOWN, ShardSpec, error_key, ready_key
@@ -36,18 +38,22 @@ class ProcessWorkers:
     `if __name__ == "__main__"` guard); its arguments arrive pickled on stdin."""
 
     host = gloo_host = "127.0.0.1"
+    death_notice_s = 10.0  # how long after its connection closed a worker may still not show in dead()
 
     def __init__(self, spec: ShardSpec) -> None:
         self.spec = spec
         self.processes: dict[int, subprocess.Popen] = {}
 
-    def launch(self, port: int) -> None:
+    def launch(self) -> dist.Store:
+        """Start the workers; returns the rendezvous store they join."""
+        store = driver_store(self.host, self.spec.size)
         command = [sys.executable, "-c", "from specserve.distributed.worker import process_main; process_main()"]
         for rank in range(1, self.spec.size):
             process = subprocess.Popen(command, stdin=subprocess.PIPE)
             self.processes[rank] = process
-            process.stdin.write(pickle.dumps((self.spec, rank, self.host, port, list(sys.path))))
+            process.stdin.write(pickle.dumps((self.spec, rank, self.host, store.port, list(sys.path))))
             process.stdin.close()
+        return store
 
     def pids(self) -> dict[int, int]:
         return {rank: p.pid for rank, p in self.processes.items()}
@@ -120,20 +126,20 @@ def _stop(session: _Session, graceful: bool) -> None:
 
 
 class TensorParallelExecutor:
-    """Rank 0's handle on the workers of one tensor-parallel engine."""
+    """Rank 0's handle on the workers of one tensor-parallel engine (ProcessWorkers, RayWorkers or
+    TorchrunWorkers: launch() → the rendezvous store, gloo_host, pids(), dead(), stop(timeout))."""
 
-    def __init__(self, spec: ShardSpec, backend: str = "mp") -> None:
+    def __init__(self, spec: ShardSpec, workers) -> None:
         self.spec = spec
         self.group = TensorParallelGroup(0, spec.size)
-        self.workers = make_workers(backend, spec)
+        self.workers = workers
         self.failure: Exception | None = None  # why the engine stopped: a WorkerFailure, or a RuntimeError
         self._lock = threading.Lock()
         self._session = _Session(self.group, self.workers, torch.get_num_threads())
         self._finalizer = weakref.finalize(self, _stop, self._session, True)  # also runs at exit
         torch.set_num_threads(spec.threads)
         try:
-            self.store = driver_store(self.workers.host, spec.size)
-            self.workers.launch(self.store.port)
+            self.store = self.workers.launch()
         except BaseException:
             self.shutdown(graceful=False)
             raise
@@ -169,8 +175,9 @@ class TensorParallelExecutor:
     def _after_error(self, exc: BaseException) -> WorkerFailure | None:
         """Stop every worker after a failed command; the WorkerFailure to raise when a worker caused it."""
         lost = _lost_connection(exc)
-        # a dying worker may not have been reaped yet (Ray reports a lost actor after a while)
-        deadline = time.monotonic() + (10.0 if lost else 2.0)
+        # a dying worker may not show as dead yet (Ray reports a lost actor after a while)
+        notice = self.workers.death_notice_s
+        deadline = time.monotonic() + (notice if lost else min(notice, 2.0))
         dead = self.workers.dead()
         while not dead and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -225,6 +232,6 @@ def _lost_connection(exc: BaseException) -> bool:
 
 
 def threads_per_rank(size: int) -> int:
-    """Torch threads for each rank so that the ranks of one host do not oversubscribe its cores."""
+    """Torch threads for each of `size` ranks on this host, so that they do not oversubscribe its cores."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // size)

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from specserve.distributed.executor import TensorParallelExecutor, threads_per_rank
+from specserve.distributed.executor import TensorParallelExecutor, make_workers, threads_per_rank
 from specserve.distributed.sharding import TensorShard
+from specserve.distributed.torchrun import TorchrunWorkers, serve_driver, torchrun_launch
 from specserve.distributed.worker import (ARGMAX, FORWARD, LOGITS, ShardSpec, build_shard, decoder_config,
                                           load_for_sharding)
 
@@ -69,14 +70,23 @@ def check_speculative_config(speculative_config: dict | None, size: int) -> None
 
 def start_tensor_parallel(config, loaded) -> TensorParallelModel:
     """Start tensor_parallel_size - 1 workers (config.distributed_executor_backend), build the driver's
-    shard from `loaded` (the checkpoint, as the engine loaded it) while they build theirs, and connect."""
+    shard from `loaded` (the checkpoint, as the engine loaded it) while they build theirs, and connect.
+
+    Under torchrun (its variables set, no backend chosen) the launch's processes are the ranks: RANK 0 goes on
+    as the driver, and any other rank serves it from here as a worker and ends its process with it."""
     size = config.tensor_parallel_size
+    launch = torchrun_launch(config.distributed_executor_backend, size)
     check_speculative_config(config.speculative_config, size)
     TensorShard.create(decoder_config(loaded.config), 0, size)  # sizes that do not split fail before any start
-    spec = ShardSpec(config.model, config.torch_dtype, config.linear_weight_dtype, size, threads_per_rank(size))
+    threads = threads_per_rank(launch.local_world_size if launch else size)
+    spec = ShardSpec(config.model, config.torch_dtype, config.linear_weight_dtype, size, threads)
     if not all(isinstance(t, torch.Tensor) for t in loaded.state_dict.values()):
         loaded = load_for_sharding(spec)  # shards are slices of plain tensors, not of quantized blocks
-    executor = TensorParallelExecutor(spec, config.distributed_executor_backend or "mp")
+    if launch is not None and launch.rank > 0:
+        serve_driver(launch, spec, loaded)  # does not return
+    workers = (TorchrunWorkers(spec, launch) if launch is not None
+               else make_workers(config.distributed_executor_backend or "mp", spec))
+    executor = TensorParallelExecutor(spec, workers)
     try:
         local = build_shard(loaded, spec, executor.group)
         executor.connect()

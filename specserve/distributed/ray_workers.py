@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from specserve.distributed.group import gloo_host, worker_store
+from specserve.distributed.group import driver_store, gloo_host, worker_store
 from specserve.distributed.worker import ShardSpec, run_worker
 
 PLACEMENT_TIMEOUT_S = 120.0
@@ -37,6 +37,8 @@ class RayShardWorker:
 
 
 class RayWorkers:
+    death_notice_s = 10.0  # Ray reports a lost actor after a while
+
     def __init__(self, spec: ShardSpec) -> None:
         self.ray = ray = import_ray()
         self.spec = spec
@@ -48,7 +50,8 @@ class RayWorkers:
         self.actors, self.runs, self.pid_refs = {}, {}, {}
         self.placement = None
 
-    def launch(self, port: int) -> None:
+    def launch(self):
+        """Place and start the actors; returns the rendezvous store they join (torch.distributed.TCPStore)."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -62,13 +65,15 @@ class RayWorkers:
         if not ready:
             raise RuntimeError(f"Ray could not place {spec.size} bundles of {bundle} (the first on this host) in "
                                f"{PLACEMENT_TIMEOUT_S:.0f} s (cluster resources: {ray.cluster_resources()})")
+        store = driver_store(self.host, spec.size)
         actor = ray.remote(RayShardWorker)
         for rank in range(1, spec.size):
             strategy = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
             self.actors[rank] = actor.options(num_cpus=spec.threads, scheduling_strategy=strategy,
                                               name=None, max_restarts=0).remote()
             self.pid_refs[rank] = self.actors[rank].pid.remote()  # before run, which holds the actor
-            self.runs[rank] = self.actors[rank].run.remote(spec, rank, self.host, port)
+            self.runs[rank] = self.actors[rank].run.remote(spec, rank, self.host, store.port)
+        return store
 
     def pids(self) -> dict[int, int]:
         return {rank: self.ray.get(ref) for rank, ref in self.pid_refs.items()}

@@ -13,7 +13,10 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -102,17 +105,24 @@ class ShardWorker:
         self.model.forward(input_ids, positions, meta, caches, mm_embeds)
 
 
-def run_worker(spec: ShardSpec, rank: int, store, host: str | None) -> None:
-    """A worker's life: build its shard, tell the driver (store key), join the group, serve. A failure is
-    posted to the store (the driver reports it) and re-raised."""
-    try:
+def run_worker(spec: ShardSpec, rank: int, store, host: str | None, loaded: LoadedModel | None = None) -> None:
+    """A worker's life: build its shard (from `loaded`, else from the checkpoint), tell the driver (store key),
+    join the group, serve. A failure is posted to the store (the driver reports it) and re-raised."""
+    with failure_posted(store, rank):
         torch.set_num_threads(spec.threads)
         group = TensorParallelGroup(rank, spec.size)
-        model = build_shard(load_for_sharding(spec), spec, group)
+        model = build_shard(loaded or load_for_sharding(spec), spec, group)
         store.set(ready_key(rank), "1")
         group.connect(store, host)
         ShardWorker(model, group).serve()
         group.close()
+
+
+@contextmanager
+def failure_posted(store, rank: int):
+    """Post the traceback of a failure inside the block to the store, for the driver to report; re-raise it."""
+    try:
+        yield
     except DriverGone:
         raise
     except BaseException:
@@ -128,8 +138,14 @@ def process_main() -> None:
     spec, rank, host, port, path = pickle.load(sys.stdin.buffer)
     sys.path[:0] = [p for p in path if p not in sys.path]
     _exit_with_parent()
+    serve_and_exit(rank, lambda: run_worker(spec, rank, worker_store(host, port, spec.size), host))
+
+
+def serve_and_exit(rank: int, serve: Callable[[], None]) -> NoReturn:
+    """Run a worker's life, then end its process: 0 after the driver's shutdown or when the driver is gone,
+    1 after a failure (its traceback printed)."""
     try:
-        run_worker(spec, rank, worker_store(host, port, spec.size), host)
+        serve()
     except DriverGone:
         print(f"specserve tensor-parallel worker rank {rank}: the driver is gone; exiting", file=sys.stderr)
         code = 0

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 from specserve.bench.common import (
     DEFAULT_DATASET, BenchPrompt, Stopwatch, environment_info, format_table, load_hf_model, median,
     mismatch_exit_status, prompts_summary, read_specbench, render_prompts, safe_div, write_json)
+from specserve.bench.llamacpp import LLAMACPP_PLAIN, LLAMACPP_PROMPT_LOOKUP, PROMPT_LOOKUP_TOKENS as LLAMACPP_LOOKUP
 from specserve.models.loader import default_model_path
 
 DEFAULT_OUTPUT = "bench_results/latency.json"
@@ -34,7 +35,8 @@ WARMUP_MESSAGE = "Write two sentences about the sea."
 PLAIN, HF_PLAIN, HF_PROMPT_LOOKUP = "plain", "hf_plain", "hf_prompt_lookup"
 LABELS = {PLAIN: "specserve plain", **{m: f"specserve {m}" for m in DEFAULT_NUM_SPECULATIVE_TOKENS},
           HF_PLAIN: "transformers plain",
-          HF_PROMPT_LOOKUP: f"transformers prompt lookup ({HF_PROMPT_LOOKUP_TOKENS})"}
+          HF_PROMPT_LOOKUP: f"transformers prompt lookup ({HF_PROMPT_LOOKUP_TOKENS})",
+          LLAMACPP_PLAIN: "llama.cpp plain", LLAMACPP_PROMPT_LOOKUP: f"llama.cpp prompt lookup ({LLAMACPP_LOOKUP})"}
 
 
 @dataclass
@@ -112,7 +114,10 @@ def add_parser(bench_sub) -> None:
                    help="rounds of every specserve (prompt, method) run, each on freshly loaded engines with the "
                         "methods in a rotated order; each pair reports its median-decode round (default: "
                         "%(default)s). Single runs on a shared machine vary by ~15%%")
-    p.add_argument("--skip-hf", action="store_true", help="run specserve only")
+    p.add_argument("--skip-hf", action="store_true", help="do not run transformers")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="also run llama.cpp (llama-cpp-python, the llamacpp extra) on the same GGUF file and prompt "
+                        "token ids, plain and with prompt lookup, with as many threads as specserve")
     p.add_argument("--output-json", default=DEFAULT_OUTPUT, help="where to write results (default: %(default)s)")
     add_engine_args(p, speculation_flags=False)
     p.set_defaults(max_num_seqs=1, func=cmd_latency)
@@ -129,6 +134,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.speculative_config is not None:
         raise ValueError("bench latency takes --methods and --spec-config-json, not --speculative-config")
     spec_configs(args)  # refuses bad methods and keys before any model loads
+    if args.llamacpp:
+        from specserve.bench.llamacpp import require_llamacpp
+
+        require_llamacpp()
 
 
 def parse_methods(text: str) -> list[str]:
@@ -198,6 +207,13 @@ def cmd_latency(args: argparse.Namespace) -> int:
     timings = median_rounds(rounds)
     if not args.skip_hf:
         timings += run_transformers(args, prompts, warmup, pad_token_id)
+    if args.llamacpp:
+        import torch
+
+        from specserve.bench.llamacpp import run_llamacpp
+
+        timings += run_llamacpp(args.model or default_model_path(), prompts, warmup, args.max_tokens,
+                                torch.get_num_threads(), WARMUP_TOKENS, _log)
     env["load_average_1m_end"] = environment_info().get("load_average_1m")  # the machine may be shared
     report = build_report(args, env, configs, prompts, timings)
     print()
@@ -375,8 +391,10 @@ def hf_timing(method: str, prompt: BenchPrompt, generate: Callable[[list[int], i
 
 def reference_method(method: str) -> str | None:
     """Whose greedy tokens a method must reproduce: the plain decoding of the same engine."""
-    if method in (PLAIN, HF_PLAIN):
+    if method in (PLAIN, HF_PLAIN, LLAMACPP_PLAIN):
         return None
+    if method.startswith("llamacpp_"):
+        return LLAMACPP_PLAIN
     return HF_PLAIN if method.startswith("hf_") else PLAIN
 
 
@@ -398,7 +416,8 @@ def summarize(timings: list[RequestTiming]) -> list[dict]:
                    "e2e_tokens_per_s_median": median(t.e2e_tokens_per_s for t in group),
                    "acceptance_length_median": _median_or_none(t.acceptance_length for t in group),
                    "decode_vs_specserve_plain": safe_div(decode[method], decode.get(PLAIN, float("nan"))),
-                   "decode_vs_transformers_plain": safe_div(decode[method], decode.get(HF_PLAIN, float("nan")))}
+                   "decode_vs_transformers_plain": safe_div(decode[method], decode.get(HF_PLAIN, float("nan"))),
+                   "decode_vs_llamacpp_plain": safe_div(decode[method], decode.get(LLAMACPP_PLAIN, float("nan")))}
             row.update(greedy_check(group, tokens, reference_method(method)))
             rows.append(row)
     return rows
@@ -452,6 +471,7 @@ def summarize_methods(rows: list[dict], timings: list[RequestTiming] = ()) -> li
             "method": method, "num_categories": len(mine),
             "decode_vs_specserve_plain_geomean": geometric_mean(r["decode_vs_specserve_plain"] for r in mine),
             "decode_vs_transformers_plain_geomean": geometric_mean(r["decode_vs_transformers_plain"] for r in mine),
+            "decode_vs_llamacpp_plain_geomean": geometric_mean(r["decode_vs_llamacpp_plain"] for r in mine),
             "ttft_median_s_geomean": geometric_mean(r["ttft_median_s"] for r in mine),
             "acceptance_length_mean": sum(acceptance) / len(acceptance) if acceptance else None,
             "acceptance_by_position": acceptance_by_position(timings_of.get(method, [])),
@@ -477,17 +497,21 @@ def build_report(args: argparse.Namespace, env: dict, configs: dict[str, dict], 
 
 def format_report(report: dict) -> str:
     """The per-category table, the per-method summary, and every greedy mismatch."""
+    with_llamacpp = any(r["method"] == LLAMACPP_PLAIN for r in report["per_category"])
     headers = ["category", "method", "TTFT ms", "decode tok/s", "e2e tok/s", "accept len", "vs plain",
-               "vs HF plain", "greedy = ref"]
+               "vs HF plain", *(["vs llama.cpp"] if with_llamacpp else []), "greedy = ref"]
     rows = [[r["category"], LABELS.get(r["method"], r["method"]), r["ttft_median_s"] * 1000,
              r["decode_tokens_per_s_median"], r["e2e_tokens_per_s_median"], r["acceptance_length_median"],
-             _ratio(r["decode_vs_specserve_plain"]), _ratio(r["decode_vs_transformers_plain"]), _greedy_cell(r)]
+             _ratio(r["decode_vs_specserve_plain"]), _ratio(r["decode_vs_transformers_plain"]),
+             *([_ratio(r.get("decode_vs_llamacpp_plain"))] if with_llamacpp else []), _greedy_cell(r)]
             for r in report["per_category"]]
-    summary_headers = ["method", "decode vs plain (geomean)", "decode vs HF plain (geomean)", "TTFT ms (geomean)",
+    summary_headers = ["method", "decode vs plain (geomean)", "decode vs HF plain (geomean)",
+                       *(["decode vs llama.cpp plain (geomean)"] if with_llamacpp else []), "TTFT ms (geomean)",
                        "accept len (mean)", "greedy = ref"]
     summary = [[LABELS.get(s["method"], s["method"]), _ratio(s["decode_vs_specserve_plain_geomean"]),
-                _ratio(s["decode_vs_transformers_plain_geomean"]), s["ttft_median_s_geomean"] * 1000,
-                s["acceptance_length_mean"],
+                _ratio(s["decode_vs_transformers_plain_geomean"]),
+                *([_ratio(s.get("decode_vs_llamacpp_plain_geomean"))] if with_llamacpp else []),
+                s["ttft_median_s_geomean"] * 1000, s["acceptance_length_mean"],
                 f"{s['greedy_identical']}/{s['greedy_compared']}" if s["greedy_compared"] else None]
                for s in report["summary"]]
     lines = ["Medians over each category's prompts; ratios are of decode tok/s; 'greedy = ref' counts outputs "

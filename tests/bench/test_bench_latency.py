@@ -180,3 +180,51 @@ def test_report_table_and_json(tmp_path):
     data = json.loads(write_json(tmp_path / "latency.json", report).read_text())
     assert "func" not in data["settings"] and len(data["per_request"]) == 16
     assert data["per_request"][0]["decode_tokens_per_s"] == pytest.approx(10.0)
+
+
+# ---------------------------------------------------------------- llama.cpp baseline
+
+
+def test_llamacpp_timing_prefills_every_prompt_and_stops_at_max_tokens(monkeypatch):
+    from specserve.bench import llamacpp
+
+    clock = iter([10.0, 10.5, 12.0])  # start, the first token, the last
+
+    class FakeLlama:
+        def __init__(self):
+            self.resets, self.calls = 0, []
+
+        def reset(self):
+            self.resets += 1
+
+        def generate(self, tokens, **sampling):
+            self.calls.append((list(tokens), sampling))
+            yield from (7, 8, 2, 9, 9, 9)  # EOS (2) does not stop it
+
+    monkeypatch.setattr(llamacpp.time, "perf_counter", lambda: next(clock))
+    llm = FakeLlama()
+    t = llamacpp.generate_timed(llm, BenchPrompt("q1", "qa", "text", [1, 2, 3]), 4, llamacpp.LLAMACPP_PLAIN)
+    assert llm.resets == 1 and llm.calls[0][0] == [1, 2, 3]
+    assert llm.calls[0][1]["top_k"] == 1 and llm.calls[0][1]["temp"] == 0.0 and llm.calls[0][1]["repeat_penalty"] == 1.0
+    assert t.token_ids == [7, 8, 2, 9] and (t.ttft_s, t.decode_s, t.total_s) == (0.5, 1.5, 2.0)
+
+
+def test_llamacpp_rows_compare_with_llamacpp_plain():
+    from specserve.bench.llamacpp import LLAMACPP_PLAIN, LLAMACPP_PROMPT_LOOKUP
+
+    same = [1, 2, 3, 4, 5]
+    timings = [_timing(PLAIN, "qa", "q1", 0.2, same), _timing(LLAMACPP_PLAIN, "qa", "q1", 0.4, [1, 2, 3, 4, 6]),
+               _timing(LLAMACPP_PROMPT_LOOKUP, "qa", "q1", 0.8, [1, 2, 3, 4, 6])]
+    rows = {r["method"]: r for r in summarize(timings)}
+    assert rows[PLAIN]["decode_vs_llamacpp_plain"] == pytest.approx(2.0)
+    assert rows[LLAMACPP_PROMPT_LOOKUP]["greedy_reference"] == LLAMACPP_PLAIN
+    assert rows[LLAMACPP_PROMPT_LOOKUP]["greedy_identical"] == 1
+    assert rows[LLAMACPP_PLAIN]["greedy_reference"] is None  # its tokens are not held to specserve's
+
+
+def test_llamacpp_needs_a_gguf_file():
+    from specserve.bench.llamacpp import run_llamacpp
+
+    pytest.importorskip("llama_cpp")
+    with pytest.raises(ValueError, match="GGUF"):
+        run_llamacpp("some/hf_folder", [], BenchPrompt("w", "warmup", "t", [1]), 8, 1, 4, print)

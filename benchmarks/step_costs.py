@@ -61,6 +61,9 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--method", default="ngram", choices=SPEC_METHODS)
     p.add_argument("--spec-model", default=None, help="speculative_config.model (default: the method's own default)")
+    p.add_argument("--spec-quantization", default=None, choices=["int8"],
+                   help="speculative_config.quantization (the int8 self-draft: --spec-model MODEL --spec-quantization int8)")
+    p.add_argument("--gguf-dequantize", action="store_true", help="both engines on fp32 weights instead of GGUF blocks")
     p.add_argument("--adaptive", action="store_true", help="adaptive_draft_length on (default: always draft k)")
     p.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     p.add_argument("--rounds", type=int, default=2)
@@ -71,8 +74,10 @@ def main() -> None:
     spec = {"method": args.method, "num_speculative_tokens": args.k, "adaptive_draft_length": args.adaptive}
     if args.spec_model:
         spec["model"] = args.spec_model
-    engines = {"plain": LLM(max_num_seqs=1, max_model_len=4096),
-               args.method: LLM(max_num_seqs=1, max_model_len=4096, speculative_config=spec)}
+    if args.spec_quantization:
+        spec["quantization"] = args.spec_quantization
+    common = dict(max_num_seqs=1, max_model_len=4096, gguf_dequantize=args.gguf_dequantize)
+    engines = {"plain": LLM(**common), args.method: LLM(**common, speculative_config=spec)}
     prompts = render_prompts(engines["plain"].get_tokenizer(), rows)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for llm in engines.values():  # warm-up: kernels built, thread policy's first measurements

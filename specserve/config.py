@@ -1,7 +1,10 @@
 """Engine configuration with vLLM's option names, validated once at construction."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 
@@ -93,6 +96,10 @@ SPEC_METHODS = ("ngram", "suffix", *_MODEL_METHODS, "auto")
 # num_speculative_tokens, when not given, is each proposer's own default below; given, it caps them all.
 AUTO_DEFAULT_NUM_SPECULATIVE_TOKENS = {"suffix": 5, "ngram": 8, "model": 4}
 AUTO_DRAFTERS = (*_MODEL_METHODS, "none")
+# auto's default int8 self-draft (~1 byte a weight with its scales) pays only against a target that reads
+# clearly more per step: fp32 (4) or bf16 (2), not GGUF blocks (Q8_0 1.06, Q4_1 0.6 measured: there the
+# self-draft's step took 1.12 of the target's).
+SELF_DRAFT_MIN_TARGET_BYTES = 1.5
 
 
 @dataclass
@@ -188,9 +195,14 @@ class SpeculativeConfig:
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
 
     @classmethod
-    def from_dict(cls, d: dict, target_model: str | None = None) -> "SpeculativeConfig":
+    def from_dict(cls, d: dict, target_model: str | None = None,
+                  target_bytes_per_weight: float | None = None) -> "SpeculativeConfig":
         """target_model: the engine's model (None: the default); a method without `model` gets the head
-        specserve ships for that target, where there is one (specserve/heads)."""
+        specserve ships for that target, where there is one (specserve/heads).
+
+        target_bytes_per_weight: what the target's projections read per weight; auto's default int8
+        self-draft is left out where that is not more than SELF_DRAFT_MIN_TARGET_BYTES (a target kept in
+        4- or 8-bit GGUF blocks: an int8 copy of it would cost as much a step as the target itself)."""
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = set(cls.__dataclass_fields__)
@@ -204,6 +216,11 @@ class SpeculativeConfig:
             from specserve.heads import bundled_head
 
             d = {**d, "model": bundled_head(d["method"], target_model)}
+        if (d["method"] == "auto" and not d.get("model") and d.get("drafter") is None
+                and target_bytes_per_weight is not None and target_bytes_per_weight <= SELF_DRAFT_MIN_TARGET_BYTES):
+            logger.info("speculative_config: auto without a model drafter (suffix and ngram): the target reads "
+                        "%.2f bytes a weight, no more than an int8 self-draft would", target_bytes_per_weight)
+            d = {**d, "drafter": "none"}
         if d["method"] == "auto" and not d.get("model") and d.get("drafter") in (None, "draft_model"):
             from specserve.models.loader import default_model_path
 

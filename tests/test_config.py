@@ -43,3 +43,22 @@ def test_one_lookup_bound_is_copied_to_the_other():
 def test_engine_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize("bytes_per_weight, drafter, model_kept", [
+    (4.0, "draft_model", True),  # fp32 target: the int8 self-draft reads a quarter of its bytes
+    (2.0, "draft_model", True),  # bf16
+    (0.6, "none", False),  # 4-bit GGUF blocks: an int8 copy would read more than the target
+    (None, "draft_model", True),  # unknown storage: as before
+])
+def test_auto_keeps_the_int8_self_draft_only_where_it_reads_fewer_bytes(bytes_per_weight, drafter, model_kept):
+    spec = SpeculativeConfig.from_dict({"method": "auto"}, "some/model.gguf", bytes_per_weight)
+    assert spec.drafter == drafter
+    assert (spec.model == "some/model.gguf") == model_kept
+    if model_kept:
+        assert spec.quantization == "int8"
+
+
+def test_an_explicit_auto_drafter_is_kept_on_a_quantized_target():
+    spec = SpeculativeConfig.from_dict({"method": "auto", "drafter": "draft_model"}, "some/model.gguf", 0.6)
+    assert (spec.drafter, spec.model, spec.quantization) == ("draft_model", "some/model.gguf", "int8")

@@ -54,7 +54,9 @@ class LLMEngine:
         self.mm_processor = MultiModalProcessor(
             loaded.config, config.model, getattr(self.model, "vision", None) is not None,
             config.limit_mm_per_prompt, config.mm_processor_kwargs)
-        self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config, config.model)
+        bytes_per_weight = getattr(self.model, "linear_bytes_per_weight", None)
+        self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config, config.model,
+                                                        bytes_per_weight() if bytes_per_weight else None)
                             if config.speculative_config else None)
         self.runner = ModelRunner(self.model, config.block_size, set(self.eos_token_ids), self.max_model_len,
                                   self.spec_config, config.linear_weight_dtype)

@@ -217,11 +217,14 @@ def test_default_model_keeps_a_fifth_of_the_weight_bytes(default_gguf_path):
         own = 0 if shared else (embed.nbytes if isinstance(embed, QuantizedWeight) else embed.numel() * 4)
         return sum(linear.weight_nbytes for linear in linears) + own
 
-    sizes = {}
+    sizes, per_weight = {}, {}
     for keep in (True, False):
         loaded = load_model_weights(default_gguf_path, keep_quantized=keep)
-        sizes[keep] = weight_bytes(build_model(loaded.config, loaded.state_dict, dtype=torch.float32))
+        model = build_model(loaded.config, loaded.state_dict, dtype=torch.float32)
+        sizes[keep], per_weight[keep] = weight_bytes(model), model.linear_bytes_per_weight()
     assert sizes[True] <= sizes[False] / 4, sizes
+    # Q4_1 blocks: half a byte a weight plus each 32-weight block's fp32 scale and offset; fp32: 4
+    assert 0.5 < per_weight[True] < 1.0 and per_weight[False] >= 4.0, per_weight
 
 
 def test_cache_holds_the_packed_blocks(tmp_path, monkeypatch, caplog):

@@ -104,7 +104,7 @@ class EagleProposer:
             if rid in drafting or prompt_rows or size > MAX_DEFERRED_ROWS:
                 writes.append((rid, pending))
             else:
-                self.deferred[rid] = [r.kept() for r in pending]
+                self.deferred[rid] = pending[:-1] + [current.kept()]  # the earlier rows are kept copies already
         if not writes:
             return None, {}
         chunks = [r for _, pending in writes for r in pending]

@@ -136,7 +136,7 @@ def test_greedy_tokens_equal_one_process(reference, tp2):
 @pytest.mark.parametrize("speculative_config", [
     {"method": "ngram", "num_speculative_tokens": 4},
     {"method": "suffix", "num_speculative_tokens": 4},
-    {"method": "auto"},  # suffix, ngram and an int8 self-draft, which runs whole on the driver with its own KV
+    {"method": "auto"},  # suffix, ngram and (fp32 shards) an int8 self-draft, run whole on the driver with its own KV
 ], ids=lambda c: c["method"])
 def test_speculation_keeps_the_greedy_tokens(reference, speculative_config):
     _, prompts, tokens = reference

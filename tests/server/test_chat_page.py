@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 
 KEY = "page-test-key"
 SPEC = {"method": "auto"}
-# Greedy: auto's drafters (suffix, n-gram, the int8 self-draft) get most drafts of its answer accepted.
+# Greedy: auto's drafters (suffix and n-gram on the default model's 4-bit blocks) get drafts of its answer accepted.
 PROMPT = "Write a Python function that checks whether a number is prime, with a short explanation."
 COUNT = "Count from 1 to 1000, separated by commas."
 MAX_TOKENS = 160

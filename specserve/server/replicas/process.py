@@ -35,7 +35,30 @@ def launch_local_replicas(config: EngineConfig, num_replicas: int, engine_factor
     return [ProcessReplica(i, config, engine_factory, num_threads, log_level) for i in range(num_replicas)]
 
 
-class ProcessReplica:
+class QueuedReplicaIO:
+    """The server's side of one replica's traffic: commands go into `_outbox`, which a sender thread drains
+    (`_send_loop`), and a reader thread (`_read_loop`) reports the replica's updates and its end."""
+
+    index: int
+    _outbox: queue.Queue | queue.SimpleQueue
+    _threads: list[threading.Thread]
+
+    def start_io(self, on_update: Callable[[object], None], on_exit: Callable[[str, bool], None]) -> None:
+        """Start the sender and reader threads; `on_exit(reason, failed)` is called once, when the replica
+        has exited (failed: it reported an engine error first)."""
+        self._threads = [
+            threading.Thread(target=self._send_loop, name=f"specserve-replica-{self.index}-send", daemon=True),
+            threading.Thread(target=self._read_loop, args=(on_update, on_exit),
+                             name=f"specserve-replica-{self.index}-read", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def send(self, command) -> None:
+        """Never blocks: the sender thread delivers it, so a busy replica cannot stall the caller."""
+        self._outbox.put(command)
+
+
+class ProcessReplica(QueuedReplicaIO):
     """One replica in a child process, with a pipe each way."""
 
     def __init__(self, index: int, config: EngineConfig, engine_factory: EngineFactory | None, num_threads: int,
@@ -78,20 +101,6 @@ class ProcessReplica:
         self.process.join(5)
         raise ReplicaStartError(f"replica {self.index} {describe_exit(self.process.exitcode)} before its engine "
                                 "was ready")
-
-    def start_io(self, on_update: Callable[[object], None], on_exit: Callable[[str, bool], None]) -> None:
-        """Start the sender and reader threads; `on_exit(reason, failed)` is called once, when the child has
-        exited (failed: it reported an engine error first)."""
-        self._threads = [
-            threading.Thread(target=self._send_loop, name=f"specserve-replica-{self.index}-send", daemon=True),
-            threading.Thread(target=self._read_loop, args=(on_update, on_exit),
-                             name=f"specserve-replica-{self.index}-read", daemon=True)]
-        for thread in self._threads:
-            thread.start()
-
-    def send(self, command) -> None:
-        """Never blocks: the sender thread writes to the pipe, so a busy child cannot stall the caller."""
-        self._outbox.put(command)
 
     def stop(self) -> None:
         if self._threads:

@@ -16,7 +16,7 @@ from typing import Callable
 
 from specserve.config import EngineConfig
 from specserve.server.replicas.loop import EngineFactory, serve_replica
-from specserve.server.replicas.process import ReplicaStartError
+from specserve.server.replicas.process import QueuedReplicaIO, ReplicaStartError
 from specserve.server.replicas.protocol import ReplicaFailed, ReplicaReady, StopCommand
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def _threads_per_replica(ray, bundle_nodes: dict, node_id: str | None) -> int:
     return max(1, int(cpus.get(node_id, 1) // on_node))
 
 
-class RayReplica:
+class RayReplica(QueuedReplicaIO):
     """The router's side of one actor: a thread submitting command batches in order, one polling updates."""
 
     def __init__(self, index: int, actor, ray) -> None:
@@ -165,17 +165,6 @@ class RayReplica:
                 raise error(f"replica {self.index}: {first.message}")
             raise ReplicaStartError(f"replica {self.index} sent {first!r} before its engine was ready")
         raise ReplicaStartError(f"replica {self.index} was not ready after {timeout:.0f} s")
-
-    def start_io(self, on_update: Callable[[object], None], on_exit: Callable[[str, bool], None]) -> None:
-        self._threads = [
-            threading.Thread(target=self._send_loop, name=f"specserve-replica-{self.index}-send", daemon=True),
-            threading.Thread(target=self._read_loop, args=(on_update, on_exit),
-                             name=f"specserve-replica-{self.index}-read", daemon=True)]
-        for thread in self._threads:
-            thread.start()
-
-    def send(self, command) -> None:
-        self._outbox.put(command)
 
     def stop(self) -> None:
         if self._threads:

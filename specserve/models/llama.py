@@ -213,9 +213,8 @@ class LlamaForCausalLM:
     def _make_rotary(self, cfg: DecoderConfig, dtype: torch.dtype) -> RotaryEmbedding:
         return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
 
-    def linear_bytes_per_weight(self) -> float:
-        """Mean bytes the decoder's projections keep per weight: what a one-token step reads per weight
-        (4 in fp32, ~1 in int8, ~0.6 in 4-bit GGUF blocks)."""
+    def linear_weight_bytes(self) -> tuple[int, int]:
+        """(bytes, weights) of the decoder's projections: what a one-token step mostly reads."""
         nbytes = numel = 0
         for layer in self.layers:
             for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
@@ -225,6 +224,11 @@ class LlamaForCausalLM:
                     nbytes, numel = nbytes + weight.numel() * weight.element_size(), numel + weight.numel()
                 else:
                     nbytes, numel = nbytes + linear.weight_nbytes, numel + linear.out_features * linear.in_features
+        return nbytes, numel
+
+    def linear_bytes_per_weight(self) -> float:
+        """Mean bytes the decoder's projections keep per weight (4 in fp32, ~1 in int8, ~0.75 in Q4_1 blocks)."""
+        nbytes, numel = self.linear_weight_bytes()
         return nbytes / max(numel, 1)
 
     @property

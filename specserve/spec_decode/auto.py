@@ -16,8 +16,9 @@ from specserve.spec_decode.policy import DraftOption
 from specserve.spec_decode.proposer import DraftInputs, DrafterNeeds, Drafts, TargetInfo, TargetStates
 from specserve.spec_decode.suffix import SuffixProposer
 
-# A model drafter's time per draft token, in target steps, until measured: an int8 self-draft of a small
-# model measured ~0.3 here at one request.
+# A model drafter's time per draft token, in target steps, until measured, where the drafter does not price
+# itself from its weight bytes (DrafterNeeds.drafting_cost; EAGLE and Medusa heads): an int8 self-draft of a
+# small fp32 model measured ~0.3 here at one request.
 MODEL_PRIOR_DRAFTING_COST = 0.3
 _STATES_ORDER = (TargetStates.NONE, TargetStates.ACCEPTED, TargetStates.ALL)
 
@@ -39,7 +40,7 @@ class AutoProposer:
             model_config = part(spec_config.drafter, "model")
             self.proposers.append(make_proposer(model_config, target))
             options.append(DraftOption(spec_config.drafter, model_config.num_speculative_tokens,
-                                       MODEL_PRIOR_DRAFTING_COST))
+                                       self.proposers[-1].needs.drafting_cost or MODEL_PRIOR_DRAFTING_COST))
         self.needs = _merged_needs([p.needs for p in self.proposers], tuple(options))
 
     def propose(self, inputs: DraftInputs) -> Drafts:

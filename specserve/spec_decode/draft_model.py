@@ -43,7 +43,8 @@ class DraftModelProposer:
         own_kv = KVCacheSpec(self.model.num_layers, cfg.num_key_value_heads, cfg.head_dim, self.model.dtype)
         self.needs = DrafterNeeds(kv=None if self.shares_target_kv else own_kv,
                                   num_lookahead_tokens=spec_config.num_speculative_tokens,
-                                  reads_target_kv=self.shares_target_kv)
+                                  reads_target_kv=self.shares_target_kv,
+                                  drafting_cost=_weight_bytes_ratio(self.model, target.model))
         self.use_kernel = kernel_usable(self.model.dtype)
 
     @torch.inference_mode()
@@ -126,3 +127,12 @@ def _is_self_draft(draft, target) -> bool:
 def _dense(weight) -> torch.Tensor:
     """An embedding as an fp32 tensor (a GGUF one kept in its blocks, dequantized)."""
     return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+
+
+def _weight_bytes_ratio(draft, target) -> float:
+    """The draft's projection bytes over the target's: a one-token step is bound by the weights it reads, so
+    this is a draft token's price in target steps before it is measured (0 where the target cannot say)."""
+    target_bytes = getattr(target, "linear_weight_bytes", None)
+    if target_bytes is None or not target_bytes()[0]:
+        return 0.0
+    return draft.linear_weight_bytes()[0] / target_bytes()[0]

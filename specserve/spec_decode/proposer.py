@@ -49,6 +49,8 @@ class DrafterNeeds:
     # KV slots written ahead of the verified history (a drafter that feeds its k - 1 drafts back to itself).
     num_lookahead_tokens: int = 0
     reads_target_kv: bool = False  # copies the target's verified KV (a self-draft)
+    # Drafting time per draft token in target steps, until measured: what the policy prices a first draft at.
+    drafting_cost: float = 0.0
     # The drafters a combined proposer (auto) chooses between per request, in the order of
     # Drafts.sources; empty for a proposer that drafts one way.
     options: tuple[DraftOption, ...] = ()

@@ -110,7 +110,7 @@ class ModelRunner:
             self.proposer = make_proposer(spec_config, TargetInfo(model, model.dtype, weight_dtype, max_model_len))
             self.num_speculative_tokens = spec_config.num_speculative_tokens
             options = self.proposer.needs.options or (
-                DraftOption(spec_config.method, spec_config.num_speculative_tokens),)
+                DraftOption(spec_config.method, spec_config.num_speculative_tokens, self.proposer.needs.drafting_cost),)
             self.draft_policy = DraftPolicy(options, adaptive=spec_config.adaptive_draft_length)
             model.set_aux_hidden_layers(self.proposer.needs.aux_layers)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -123,3 +123,22 @@ def test_a_draft_model_that_skips_steps_catches_up_and_drafts_as_from_scratch(tm
             for _ in drafts:
                 expected.append(int(draft_hf(torch.tensor([expected])).logits[0, -1].argmax()))
         assert drafts == expected[len(history):], f"{len(history)} tokens"
+
+
+@requires_c_kernels
+@pytest.mark.parametrize("dequantize", [False, True], ids=["q4_1-blocks", "fp32"])
+def test_a_draft_that_reads_more_bytes_than_the_target_is_not_tried(default_gguf_path, dequantize):
+    """Before its time is measured, a draft token is priced at the draft's weight bytes over the target's:
+    the int8 self-draft reads ~a quarter of an fp32 target's bytes (drafting pays at once) but more than
+    the target's own Q4_1 blocks, where no draft can repay its cost and none is made."""
+    spec = {"method": "draft_model", "model": default_gguf_path, "quantization": "int8", "num_speculative_tokens": 4}
+    llm = LLM(max_model_len=512, kv_cache_memory_bytes=64 << 20, speculative_config=spec, gguf_dequantize=dequantize)
+    runner = llm.llm_engine.runner
+    prior = runner.draft_policy.options[0].prior_drafting_cost
+    assert prior == runner.proposer.needs.drafting_cost
+    out = llm.generate([{"prompt_token_ids": list(range(100, 160))}],
+                       SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    if dequantize:
+        assert 0.2 < prior < 0.35 and out.metrics.num_drafts > 0
+    else:
+        assert prior > 1.0 and out.metrics.num_drafts == 0

@@ -57,6 +57,21 @@ class QueuedReplicaIO:
         """Never blocks: the sender thread delivers it, so a busy replica cannot stall the caller."""
         self._outbox.put(command)
 
+    def _close_outbox(self) -> None:
+        """Ends the sender thread once what is queued before it has gone out."""
+        self._outbox.put(_CLOSE)
+
+    def _next_batch(self) -> tuple[list, bool]:
+        """(every command queued now, waiting for the first; whether the outbox was closed): one message
+        to the replica for everything queued meanwhile."""
+        batch = [self._outbox.get()]
+        while True:
+            try:
+                batch.append(self._outbox.get_nowait())
+            except queue.Empty:
+                break
+        return [cmd for cmd in batch if cmd is not _CLOSE], _CLOSE in batch
+
 
 class ProcessReplica(QueuedReplicaIO):
     """One replica in a child process, with a pipe each way."""
@@ -122,7 +137,7 @@ class ProcessReplica(QueuedReplicaIO):
             logger.warning("replica %d did not exit within %.0f s; killing it", self.index, timeout)
             self.process.kill()
             self.process.join(5)
-        self._outbox.put(_CLOSE)
+        self._close_outbox()
         for thread in self._threads:
             thread.join(5)
         self._commands.close()
@@ -131,14 +146,7 @@ class ProcessReplica(QueuedReplicaIO):
     # ---- threads ----------------------------------------------------------------------------------
     def _send_loop(self) -> None:
         while True:
-            batch = [self._outbox.get()]
-            while True:  # one pipe message for everything queued meanwhile
-                try:
-                    batch.append(self._outbox.get_nowait())
-                except queue.Empty:
-                    break
-            closing = _CLOSE in batch
-            batch = [cmd for cmd in batch if cmd is not _CLOSE]
+            batch, closing = self._next_batch()
             try:
                 if batch:
                     self._commands.send(batch)

@@ -23,7 +23,6 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0
 POLL_S = 1.0  # how long one poll call waits in the actor for an update
-_CLOSE = object()
 
 
 def import_ray():
@@ -183,7 +182,7 @@ class RayReplica(QueuedReplicaIO):
         reader = self._threads[1] if self._threads else None
         if reader is not None:
             reader.join(timeout)
-        self._outbox.put(_CLOSE)
+        self._close_outbox()
         try:
             self._ray.kill(self.actor)
         except Exception:  # noqa: BLE001 - already gone
@@ -193,14 +192,7 @@ class RayReplica(QueuedReplicaIO):
 
     def _send_loop(self) -> None:
         while True:
-            batch = [self._outbox.get()]
-            while True:
-                try:
-                    batch.append(self._outbox.get_nowait())
-                except queue.Empty:
-                    break
-            closing = _CLOSE in batch
-            batch = [cmd for cmd in batch if cmd is not _CLOSE]
+            batch, closing = self._next_batch()
             try:
                 if batch:  # waiting for each batch keeps them in order on the threaded actor
                     self._ray.get(self.actor.submit.remote(batch))

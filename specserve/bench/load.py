@@ -100,6 +100,9 @@ def add_parser(bench_sub) -> None:
                    help="comma-separated numbers of requests in flight (default: %(default)s)")
     p.add_argument("--requests-per-slot", type=int, default=2,
                    help="requests each of the N slots runs in turn at concurrency N (default: %(default)s)")
+    p.add_argument("--min-requests", type=int, default=16,
+                   help="at least this many requests per level, so a level at low concurrency runs long enough "
+                        "to time (default: %(default)s)")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma-separated speculative methods run besides plain decoding, from "
                         f"{', '.join(DEFAULT_NUM_SPECULATIVE_TOKENS)} (default: %(default)s)")
@@ -111,7 +114,8 @@ def add_parser(bench_sub) -> None:
                    help="HF folder or .gguf file for draft_model (default: the target itself with int8 weights)")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds, each on freshly loaded engines with the methods in a rotated order; each "
-                        "(method, N) reports its median-tok/s round (default: %(default)s)")
+                        "(method, N) reports its median-tok/s round, and its ratio to plain is the median "
+                        "over rounds of its tok/s over plain's in the same round (default: %(default)s)")
     p.add_argument("--output-json", default=DEFAULT_OUTPUT, help="where to write results (default: %(default)s)")
     p.add_argument("--plot", default=DEFAULT_PLOT,
                    help="PNG to draw, '' for none; needs matplotlib, specserve[bench] (default: %(default)s)")
@@ -143,6 +147,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.requests_per_slot < 1:
         raise ValueError(f"--requests-per-slot must be >= 1, got {args.requests_per_slot}")
+    if args.min_requests < 1:
+        raise ValueError(f"--min-requests must be >= 1, got {args.min_requests}")
     if args.max_num_seqs is not None and args.max_num_seqs < max(levels):
         raise ValueError(f"--max-num-seqs {args.max_num_seqs} is below the largest --concurrency {max(levels)}: "
                          "requests would queue instead of running together")
@@ -199,7 +205,8 @@ def run_rounds(args: argparse.Namespace, configs: dict[str, dict], levels: list[
     for r in range(args.repeats):
         engines = {m: load_engine(args, m, configs.get(m), max(levels)) for m in methods}
         if r == 0:
-            by_level = prompts_by_level(engines[PLAIN].get_tokenizer(), rows, levels, args.requests_per_slot)
+            by_level = prompts_by_level(engines[PLAIN].get_tokenizer(), rows, levels, args.requests_per_slot,
+                                        args.min_requests)
         warm_up(engines)
         order = methods[r % len(methods):] + methods[:r % len(methods)]
         for n in levels:
@@ -230,19 +237,21 @@ def warm_up(engines: dict) -> None:
         run_batch(llm, method, warmup, WARMUP_TOKENS, "warmup")
 
 
-def prompts_by_level(tokenizer, rows: list[dict], levels: list[int], per_slot: int = 1
+def prompts_by_level(tokenizer, rows: list[dict], levels: list[int], per_slot: int = 1, min_requests: int = 1
                      ) -> dict[int, list[BenchPrompt]]:
-    """Level N's N x per_slot prompts: the next ones of a round-robin over the categories, wrapping around
-    (with a note) only when the dataset has fewer questions than all levels together."""
-    total = sum(levels) * per_slot
+    """Level N's max(N x per_slot, min_requests) prompts: the next ones of a round-robin over the
+    categories, wrapping around (with a note) only when the dataset has fewer questions than all levels
+    together."""
+    sizes = {n: max(n * per_slot, min_requests) for n in levels}
+    total = sum(sizes.values())
     spread = render_prompts(tokenizer, select_spread(rows, min(total, len(rows))))
     if total > len(spread):
         _log(f"note: {total} requests over all levels but {len(spread)} questions: prompts repeat, and a method "
              "that caches earlier outputs may find their answers")
     by_level, start = {}, 0
     for n in levels:
-        by_level[n] = [spread[(start + i) % len(spread)] for i in range(n * per_slot)]
-        start += n * per_slot
+        by_level[n] = [spread[(start + i) % len(spread)] for i in range(sizes[n])]
+        start += sizes[n]
     return by_level
 
 
@@ -315,19 +324,27 @@ def summarize_run(run: BatchRun) -> dict:
 
 def median_rows(runs: list[BatchRun]) -> list[dict]:
     """Per (method, N), the summary of its median-tok/s round (the lower middle for an even count), with every
-    round's tok/s, and its tok/s over plain's at the same N; ordered by N, then method as first run."""
+    round's tok/s, and vs_plain: the median over rounds of its tok/s over plain's at the same N in the same
+    round (a pair run minutes apart at most, so a host that turns busy between rounds moves both); ordered by
+    N, then method as first run."""
     by_key: dict[tuple[int, str], list[BatchRun]] = {}
     for run in sorted(runs, key=lambda r: r.concurrency):
         by_key.setdefault((run.concurrency, run.method), []).append(run)
+    plain = {(r.concurrency, r.repeat): r.tokens_per_s for r in runs if r.method == PLAIN}
     rows = []
     for group in by_key.values():
         ranked = sorted(group, key=lambda r: r.tokens_per_s)
         row = summarize_run(ranked[(len(ranked) - 1) // 2])
-        rows.append({**row, "tokens_per_s_rounds": [r.tokens_per_s for r in group]})
-    plain = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == PLAIN}
-    for row in rows:
-        row["vs_plain"] = safe_div(row["tokens_per_s"], plain.get(row["concurrency"], float("nan")))
+        ratios = [safe_div(r.tokens_per_s, plain.get((r.concurrency, r.repeat), float("nan"))) for r in group]
+        rows.append({**row, "tokens_per_s_rounds": [r.tokens_per_s for r in group], "vs_plain_rounds": ratios,
+                     "vs_plain": _lower_median(ratios)})
     return rows
+
+
+def _lower_median(values: list[float]) -> float:
+    """The median, the lower middle for an even count (a round's own value, never an average of two)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2] if ordered else float("nan")
 
 
 def ratio_table(rows: list[dict]) -> list[dict]:

@@ -62,6 +62,7 @@ class LLMEngine:
                                   self.spec_config, config.linear_weight_dtype)
         num_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.calibrate_step_costs(num_blocks, config.max_num_seqs)
         needs = self.runner.drafter_needs
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,

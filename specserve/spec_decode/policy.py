@@ -127,6 +127,12 @@ class StepCosts:
         self.seconds[num_tokens] = seconds if old is None else self.EMA * old + (1 - self.EMA) * seconds
         self.samples[num_tokens] = self.samples.get(num_tokens, 0) + 1
 
+    def seed(self, seconds: dict[int, float]) -> None:
+        """Calibrated seconds by step size, trusted at once; later steps move them like any other."""
+        for num_tokens, value in seconds.items():
+            self.seconds[num_tokens] = value
+            self.samples[num_tokens] = max(self.samples.get(num_tokens, 0), self.MIN_SAMPLES)
+
     def relative(self, k: int) -> float:
         """cost of verifying k drafts, in one-token steps."""
         if k == 0:
@@ -155,11 +161,26 @@ class LinearStepFit:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         x, y = float(num_tokens), seconds
-        self.sums = [s * self.DECAY + v for s, v in zip(self.sums, (1.0, x, y, x * x, x * y))]
+        self._add(x, y, 1.0, self.DECAY)
         fixed = y / (1.0 + self.row_cost * x)
         self.fixed_guess = fixed if self.fixed_guess is None else 0.8 * self.fixed_guess + 0.2 * fixed
+        self._refit()
+
+    def seed(self, points: dict[int, float]) -> None:
+        """Calibrated (tokens, seconds) points, MIN_WEIGHT in all: a fit from the first step when they
+        differ in size; later steps replace them as the history decays."""
+        for num_tokens, seconds in points.items():
+            self._add(float(num_tokens), seconds, self.MIN_WEIGHT / len(points), 1.0)
+            fixed = seconds / (1.0 + self.row_cost * num_tokens)
+            self.fixed_guess = fixed if self.fixed_guess is None else 0.5 * (self.fixed_guess + fixed)
+        self._refit()
+
+    def _add(self, x: float, y: float, weight: float, decay: float) -> None:
+        self.sums = [s * decay + weight * v for s, v in zip(self.sums, (1.0, x, y, x * x, x * y))]
+
+    def _refit(self) -> None:
         w, sx, sy, sxx, sxy = self.sums
-        if w < self.MIN_WEIGHT:
+        if w < self.MIN_WEIGHT - 1e-9:
             return
         mean_x, mean_y = sx / w, sy / w
         var_x = sxx / w - mean_x * mean_x
@@ -226,6 +247,13 @@ class DraftPolicy:
         self.step_index = 0
 
     # ---- measurements --------------------------------------------------------------------
+    def seed_step_costs(self, single: dict[int, float], batched: dict[int, float]) -> None:
+        """Step times measured before the first request (the runner's calibration): seconds of one
+        request's step by its number of tokens, and of one-token steps by number of requests."""
+        self.step_costs.seed(single)
+        if batched:
+            self.batch_fit.seed(batched)
+
     def observe_step(self, num_requests: int, num_tokens: int, seconds: float) -> None:
         """The time of a decode or verification step (no prefill in it)."""
         self.num_running = num_requests

@@ -5,13 +5,14 @@ execute_model prepares inputs, runs the target, samples (or verifies drafts) and
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from specserve.models.qwen2_vl import MRopePositions
-from specserve.ops.attention import AttentionMetadata, build_attention_metadata, kv_caches, slot_ids
+from specserve.ops.attention import AttentionMetadata, build_attention_metadata, kv_caches, paged_metadata, slot_ids
 from specserve.ops.kernels import kernel_usable
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_targets
@@ -24,6 +25,14 @@ from specserve.spec_decode.proposer import (DraftInputs, DrafterNeeds, KVCacheSp
 from specserve.types import SchedulerOutput, max_draft_tokens
 from specserve.worker.structured import GrammarRequests
 from specserve.worker.threads import ThreadPolicy
+
+
+# Step-cost calibration before the first request (ModelRunner.calibrate_step_costs): a dummy context of this
+# many tokens, each step size timed this many times after one untimed run (its median is kept), and the
+# batch sizes of one-token steps timed for the batched fit (those up to max_num_seqs).
+CALIBRATION_CONTEXT = 256
+CALIBRATION_REPEATS = 3
+CALIBRATION_BATCHES = (2, 4, 8, 16, 32, 64)
 
 
 def positions_at(positions: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
@@ -126,6 +135,43 @@ class ModelRunner:
         self.finished_since_draft: set[str] = set()
         self.grammars = GrammarRequests()
         self.forced_drafts: set[str] = set()  # requests whose drafts awaiting verification the grammar forced
+
+    @torch.inference_mode()
+    def calibrate_step_costs(self, num_blocks: int, max_num_seqs: int) -> None:
+        """Times the target's decode and verification steps on a dummy context before the first request, so
+        the draft policy prices drafts from this machine's step costs from the first step instead of a prior:
+        one request verifying 0..k drafts, and batches of one-token requests. Its KV goes to blocks no
+        request holds yet (called before any request; every request writes its KV before reading it)."""
+        if self.proposer is None or not self.draft_policy.adaptive:
+            return
+        k = max(o.max_drafts for o in self.draft_policy.options)
+        context = min(CALIBRATION_CONTEXT, self.max_model_len - k - 1,
+                      num_blocks * self.block_size - k - 1)
+        if context < 1:
+            return
+        blocks = list(range(-(-(context + k + 1) // self.block_size)))
+        self._timed_dummy_step(1, 1, context, blocks)  # first touches of buffers and caches: not kept
+        single = {q: self._timed_dummy_step(1, q, context, blocks) for q in range(1, k + 2)}
+        batched = {n: self._timed_dummy_step(n, 1, context, blocks) for n in CALIBRATION_BATCHES
+                   if n <= max_num_seqs}
+        self.draft_policy.seed_step_costs(single, batched)
+
+    def _timed_dummy_step(self, num_requests: int, num_tokens: int, context: int, blocks: list[int]) -> float:
+        """Median seconds of a decode step of num_requests requests, each adding num_tokens tokens after
+        `context` tokens of the same blocks (dummy token ids; their K/V lands in those blocks)."""
+        rows = num_requests * num_tokens
+        ids = torch.zeros(rows, dtype=torch.long)
+        positions = self._layout_positions(torch.arange(context, context + num_tokens).repeat(num_requests))
+        attn = paged_metadata([num_tokens] * num_requests, [context + num_tokens] * num_requests,
+                              [blocks] * num_requests, self.block_size, self.attention_kernel)
+        seconds = []
+        for _ in range(CALIBRATION_REPEATS + 1):
+            start = time.perf_counter()
+            with self.thread_policy.run(rows):
+                hidden, _ = self.model.forward(ids, positions, attn, self.kv_caches, None)
+                self.model.greedy_tokens(hidden)
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds[1:])
 
     @property
     def drafter_needs(self) -> DrafterNeeds | None:

@@ -34,6 +34,7 @@ def test_cli_defaults():
         "1,2,4,8,16,32,64", "ngram,suffix,draft_model,auto", 128, 1)
     assert (args.output_json, args.plot, args.replot) == ("bench_results/load.json", "bench_results/load.png", None)
     assert args.max_num_seqs is None  # then max(concurrency)
+    assert (args.requests_per_slot, args.min_requests) == (2, 16)
     check_args(_parse([]))
     assert parse_concurrency("8, 1,4") == [1, 4, 8]
 
@@ -45,6 +46,7 @@ def test_cli_defaults():
     (["--concurrency", "2,4,2"], "--concurrency lists a value twice"),
     (["--max-tokens", "1"], "--max-tokens must be >= 2"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--min-requests", "0"], "--min-requests must be >= 1"),
     (["--concurrency", "1,8", "--max-num-seqs", "4"], "--max-num-seqs 4 is below the largest --concurrency 8"),
     (["--plot", "load.jpg"], "--plot must name a .png"),
     (["--methods", "lookahead"], "--methods: unknown method"),
@@ -121,11 +123,22 @@ def test_median_rows_and_ratio_table():
     assert (ngram["tokens_per_s"], ngram["repeat"]) == (pytest.approx(4.0), 2)
     assert ngram["tokens_per_s_rounds"] == pytest.approx([6.0, 2.0, 4.0])
     assert ngram["vs_plain"] == pytest.approx(4 / 3) and rows[PLAIN, 1]["vs_plain"] == pytest.approx(1.0)
+    assert ngram["vs_plain_rounds"] == pytest.approx([2.0, 2 / 3, 4 / 3])
     assert rows["ngram", 2]["vs_plain"] == pytest.approx(1.5)
     table = ratio_table(median_rows(_rounds()))
     assert [t["concurrency"] for t in table] == [1, 2]
     assert table[0] == {"concurrency": 1, "plain_tokens_per_s": pytest.approx(3.0), "ngram": pytest.approx(4 / 3)}
     assert table[1]["ngram"] == pytest.approx(1.5)
+
+
+def test_the_ratio_to_plain_pairs_each_round_with_plain_of_the_same_round():
+    """A host twice as slow in round 1 slows both methods there: the paired ratios are 1.1x in every round,
+    while the median rounds of each (plain 3 tok/s, ngram 3.3) would also say 1.1x only by luck."""
+    runs = [_run(PLAIN, 1, 0, 1.0), _run("ngram", 1, 0, 1 / 1.1), _run(PLAIN, 1, 1, 2.0), _run("ngram", 1, 1, 2 / 1.1),
+            _run(PLAIN, 1, 2, 0.9), _run("ngram", 1, 2, 0.9 / 1.1)]
+    rows = {(r["method"], r["concurrency"]): r for r in median_rows(runs)}
+    assert rows["ngram", 1]["vs_plain_rounds"] == pytest.approx([1.1] * 3)
+    assert rows["ngram", 1]["vs_plain"] == pytest.approx(1.1)
 
 
 def test_greedy_mismatches_compare_with_plain_of_the_same_round():
@@ -152,6 +165,8 @@ def test_prompts_by_level_gives_each_level_its_own_prompts(capsys):
     by_level = prompts_by_level(Tokenizer(), rows, [4, 5])
     assert [p.question_id for p in by_level[5]] == ["b1", "c1", "a0", "b0", "c0"]  # wrapped around
     assert "prompts repeat" in capsys.readouterr().err
+    by_level = prompts_by_level(Tokenizer(), rows, [1, 2], per_slot=1, min_requests=2)
+    assert {n: len(ps) for n, ps in by_level.items()} == {1: 2, 2: 2}  # at least min_requests a level
 
 
 def _synthetic_report(tmp_path) -> Path:
@@ -183,6 +198,7 @@ def test_end_to_end_on_the_default_model(tmp_path, capsys):
     """N in flight, two requests per slot: 2N requests per level, each level its own prompts."""
     out_json, out_png = tmp_path / "load.json", tmp_path / "load.png"
     code = main(["bench", "load", "--dataset", DATASET, "--concurrency", "1,3", "--methods", "ngram,suffix",
+                 "--min-requests", "1",
                  "--max-tokens", "8", "--output-json", str(out_json), "--plot", str(out_png)])
     assert code == 0  # every speculative output equals plain decoding's
     report = json.loads(out_json.read_text())

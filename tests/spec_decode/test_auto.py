@@ -75,6 +75,7 @@ def test_pricing_turns_drafting_off_when_a_step_costs_more_than_it_returns_and_b
     folder, prompts = target
     params = SamplingParams(temperature=0, max_tokens=236, ignore_eos=True)
     plain = plain_outputs(folder, prompts, params)
+    # (the engine's calibration before the first request reads the first phase's costs: conftest.py)
     llm = LLM(model=folder, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **ENGINE)
     runner = llm.llm_engine.runner
     oracle = Oracle([p["prompt_token_ids"] + out for p, out in zip(prompts, plain)],

@@ -6,9 +6,10 @@ average (Leviathan et al. 2023), so the k that maximises tokens per unit of cost
 beats plain decoding the request drafts nothing, probing with one draft now and then so a request whose
 text turns repetitive gets speculation back.
 
-cost(k) is measured: the runner reports the time of every step that verifies one request alone, and
-once both a one-token step and a (1 + k)-token step have been seen a few times, their ratio replaces the
-linear prior 1 + c * k. The curve depends on the kernels, the machine and the context length (with oneDNN
+cost(k) is measured: the runner times every size of step before the first request (on a dummy context;
+ModelRunner.calibrate_step_costs) and then every step that verifies one request alone, and the ratio of a
+(1 + k)-token step to a one-token step replaces the linear prior 1 + c * k (the prior stays for an engine
+that was not calibrated, until both sizes were seen a few times). The curve depends on the kernels, the machine and the context length (with oneDNN
 linears it jumped at 7 rows; with specserve's GEMM and chunked attention it rises ~2% per token at ~1k
 tokens of context, most of it attention).
 The proposer's own time per draft token is added (nothing for prompt lookup, a forward pass of the
@@ -18,9 +19,11 @@ With several requests the step is fitted as fixed + per_token * tokens over rece
 costs per_token against the request's share of a plain step, (fixed + per_token * requests) / requests. At
 one request the weights' memory traffic (fixed) dominates and drafts are cheap; at 32 requests the step
 is mostly compute-bound, a draft costs about half a request's share (fitted), and only requests that
-accept a lot keep drafting. Before a fit the batch-1 prior is scaled to the batch (a row's share of a
-one-token step, r, gives N r / (1 + N r) per draft at N requests), and every 8th step decodes plainly
-while the steps are too alike in size to fit (or, at one request, until a one-token step is timed). With
+accept a lot keep drafting. Before a fit the calibration prices a step of N requests (its plain step, and
+a draft row at what a second token per request added), or without one the batch-1 prior scaled to the
+batch (a row's share of a one-token step, r, gives N r / (1 + N r) per draft at N requests); every 8th
+step decodes plainly while the steps are too alike in size to fit (or, at one request, until a one-token
+step is timed). With
 several requests a draft must promise BATCH_MIN_GAIN over plain decoding.
 
 A request's expected tokens use the number of drafts it usually gets (a lookup often finds fewer than it
@@ -158,6 +161,7 @@ class LinearStepFit:
         # step, the batch-1 prior) and `fixed` follows the steps seen.
         self.row_cost = row_cost
         self.fixed_guess: float | None = None
+        self.calibrated: dict[int, tuple[float, float]] = {}  # see seed()
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         x, y = float(num_tokens), seconds
@@ -166,14 +170,32 @@ class LinearStepFit:
         self.fixed_guess = fixed if self.fixed_guess is None else 0.8 * self.fixed_guess + 0.2 * fixed
         self._refit()
 
-    def seed(self, points: dict[int, float]) -> None:
-        """Calibrated (tokens, seconds) points, MIN_WEIGHT in all: a fit from the first step when they
-        differ in size; later steps replace them as the history decays."""
-        for num_tokens, seconds in points.items():
-            self._add(float(num_tokens), seconds, self.MIN_WEIGHT / len(points), 1.0)
-            fixed = seconds / (1.0 + self.row_cost * num_tokens)
-            self.fixed_guess = fixed if self.fixed_guess is None else 0.5 * (self.fixed_guess + fixed)
-        self._refit()
+    def seed(self, calibrated: dict[int, tuple[float, float]]) -> None:
+        """Calibrated steps by number of requests N: (seconds of N requests adding one token each, and two
+        each). Until live steps of several sizes make a fit, a step of N requests is priced from them: its
+        plain step interpolated between the calibrated N's, a draft token at the nearest pair's difference
+        per request (a draft row's cost, which is less than a request's: no sampling, the request's KV read
+        once for all its rows)."""
+        self.calibrated = dict(sorted(calibrated.items()))
+
+    def _calibrated(self, num_requests: int) -> tuple[float, float] | None:
+        """(seconds of a plain step of num_requests requests, seconds of one draft token) from the calibration."""
+        if not self.calibrated:
+            return None
+        num_requests = max(num_requests, 1)
+        sizes = list(self.calibrated)
+        nearest = min(sizes, key=lambda n: abs(math.log(n / num_requests)))
+        one, two = self.calibrated[nearest]
+        per_draft = max(two - one, 0.0) / nearest
+        below = [n for n in sizes if n <= num_requests]
+        above = [n for n in sizes if n >= num_requests]
+        if not below or not above:  # outside the calibrated sizes: a row per request from the nearest
+            plain = one + per_draft * (num_requests - nearest)
+        else:
+            lo, hi = below[-1], above[0]
+            t = 0.0 if hi == lo else (num_requests - lo) / (hi - lo)
+            plain = (1 - t) * self.calibrated[lo][0] + t * self.calibrated[hi][0]
+        return (plain, per_draft) if plain > 0 else None
 
     def _add(self, x: float, y: float, weight: float, decay: float) -> None:
         self.sums = [s * decay + weight * v for s, v in zip(self.sums, (1.0, x, y, x * x, x * y))]
@@ -200,6 +222,9 @@ class LinearStepFit:
         """Seconds of one request's share of a plain step (one token each) of num_requests requests; before
         a fit, from the prior shape of a step, so a drafter's own time is priced from the first steps."""
         if self.fit is None:
+            calibrated = self._calibrated(num_requests)
+            if calibrated is not None:
+                return calibrated[0] / max(num_requests, 1)
             if self.fixed_guess is None:
                 return None
             return self.fixed_guess * (1.0 + self.row_cost * num_requests) / max(num_requests, 1)
@@ -211,7 +236,12 @@ class LinearStepFit:
         """One draft token's verification cost relative to one request's share of a plain step of
         num_requests requests; None before a fit."""
         share = self.share(num_requests)
-        return None if share is None or self.fit is None else self.fit[1] / share
+        if share is None:
+            return None
+        if self.fit is None:
+            calibrated = self._calibrated(num_requests)
+            return None if calibrated is None else calibrated[1] / share
+        return self.fit[1] / share
 
 
 @dataclass(frozen=True)
@@ -247,9 +277,10 @@ class DraftPolicy:
         self.step_index = 0
 
     # ---- measurements --------------------------------------------------------------------
-    def seed_step_costs(self, single: dict[int, float], batched: dict[int, float]) -> None:
+    def seed_step_costs(self, single: dict[int, float], batched: dict[int, tuple[float, float]]) -> None:
         """Step times measured before the first request (the runner's calibration): seconds of one
-        request's step by its number of tokens, and of one-token steps by number of requests."""
+        request's step by its number of tokens, and by number of requests the seconds of a step adding
+        one token and two tokens to each."""
         self.step_costs.seed(single)
         if batched:
             self.batch_fit.seed(batched)

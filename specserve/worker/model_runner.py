@@ -29,7 +29,7 @@ from specserve.worker.threads import ThreadPolicy
 
 # Step-cost calibration before the first request (ModelRunner.calibrate_step_costs): a dummy context of this
 # many tokens, each step size timed this many times after one untimed run (its median is kept), and the
-# batch sizes of one-token steps timed for the batched fit (those up to max_num_seqs).
+# batch sizes timed with one and two tokens per request for the batched price (those up to max_num_seqs).
 CALIBRATION_CONTEXT = 256
 CALIBRATION_REPEATS = 3
 CALIBRATION_BATCHES = (2, 4, 8, 16, 32, 64)
@@ -140,7 +140,7 @@ class ModelRunner:
     def calibrate_step_costs(self, num_blocks: int, max_num_seqs: int) -> None:
         """Times the target's decode and verification steps on a dummy context before the first request, so
         the draft policy prices drafts from this machine's step costs from the first step instead of a prior:
-        one request verifying 0..k drafts, and batches of one-token requests. Its KV goes to blocks no
+        one request verifying 0..k drafts, and batches of requests adding one and two tokens each. Its KV goes to blocks no
         request holds yet (called before any request; every request writes its KV before reading it)."""
         if self.proposer is None or not self.draft_policy.adaptive:
             return
@@ -152,8 +152,8 @@ class ModelRunner:
         blocks = list(range(-(-(context + k + 1) // self.block_size)))
         self._timed_dummy_step(1, 1, context, blocks)  # first touches of buffers and caches: not kept
         single = {q: self._timed_dummy_step(1, q, context, blocks) for q in range(1, k + 2)}
-        batched = {n: self._timed_dummy_step(n, 1, context, blocks) for n in CALIBRATION_BATCHES
-                   if n <= max_num_seqs}
+        batched = {n: (self._timed_dummy_step(n, 1, context, blocks), self._timed_dummy_step(n, 2, context, blocks))
+                   for n in CALIBRATION_BATCHES if n <= max_num_seqs}
         self.draft_policy.seed_step_costs(single, batched)
 
     def _timed_dummy_step(self, num_requests: int, num_tokens: int, context: int, blocks: list[int]) -> float:

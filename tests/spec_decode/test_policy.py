@@ -138,6 +138,24 @@ def test_batch_fit_keeps_its_last_slope_when_steps_stop_varying():
     assert abs(fit.fit[1] - slope) < 0.1 * slope
 
 
+def test_calibrated_batches_price_a_draft_row_until_live_steps_make_a_fit():
+    """Calibrated steps of N requests adding one and two tokens each: a request's share of a plain step is
+    interpolated between the calibrated N's, a draft token costs the nearest pair's difference per request
+    (here half a request's row at 2, more at 16), and live steps of varied sizes take over."""
+    from specserve.spec_decode.policy import LinearStepFit
+
+    fit = LinearStepFit()
+    fit.seed({2: (0.004, 0.005), 8: (0.008, 0.0128)})
+    assert fit.share(2) == pytest.approx(0.002) and fit.draft_cost(2) == pytest.approx(0.0005 / 0.002)
+    assert fit.share(5) == pytest.approx(0.006 / 5)  # halfway between 2 and 8
+    assert fit.share(16) == pytest.approx((0.008 + 0.0006 * 8) / 16)  # past 8: a draft row per request more
+    assert fit.draft_cost(16) == pytest.approx(0.0006 / fit.share(16))
+    for i in range(30):
+        fit.observe(16 + i % 10, 0.004 + 0.0003 * (16 + i % 10))
+    assert fit.fit == (pytest.approx(0.004), pytest.approx(0.0003))
+    assert fit.draft_cost(16) == pytest.approx(0.0003 / ((0.004 + 0.0003 * 16) / 16))
+
+
 def test_no_probing_when_a_draft_costs_a_whole_step_share():
     policy = DraftPolicy()
     for i in range(40):

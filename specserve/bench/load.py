@@ -1,7 +1,8 @@
 """`specserve bench load`: total output tok/s and inter-token latency against the number of requests in flight,
 plain decoding against each speculative method, on the same Spec-Bench prompts in one run.
 
-Times are taken after each engine step. Wall time: first request added to last token delivered. TTFT: first
+At every level plain decoding runs before, between and after the methods, and a method's ratio to plain is
+taken against the plain runs beside it. Times are taken after each engine step. Wall time: first request added to last token delivered. TTFT: first
 request added to a request's first token. ITL is per token (ITL_DEFINITION); p50/p99 are over every token.
 """
 from __future__ import annotations
@@ -63,6 +64,7 @@ class BatchRun:
     start: float  # perf_counter just before the first request was added
     num_steps: int
     traces: list[RequestTrace]
+    position: int | None = None  # order among the runs of its round and level (plain runs between methods)
 
     @property
     def wall_s(self) -> float:
@@ -115,7 +117,8 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds, each on freshly loaded engines with the methods in a rotated order; each "
                         "(method, N) reports its median-tok/s round, and its ratio to plain is the median "
-                        "over rounds of its tok/s over plain's in the same round (default: %(default)s)")
+                        "over rounds of its tok/s over the mean of the plain runs right before and after it "
+                        "(plain runs between the methods at every level) (default: %(default)s)")
     p.add_argument("--output-json", default=DEFAULT_OUTPUT, help="where to write results (default: %(default)s)")
     p.add_argument("--plot", default=DEFAULT_PLOT,
                    help="PNG to draw, '' for none; needs matplotlib, specserve[bench] (default: %(default)s)")
@@ -208,14 +211,26 @@ def run_rounds(args: argparse.Namespace, configs: dict[str, dict], levels: list[
             by_level = prompts_by_level(engines[PLAIN].get_tokenizer(), rows, levels, args.requests_per_slot,
                                         args.min_requests)
         warm_up(engines)
-        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        spec = methods[1:]
+        order = spec[r % len(spec):] + spec[:r % len(spec)] if spec else []
         for n in levels:
-            for method in order:
+            for position, method in enumerate(interleaved(order)):
                 runs.append(run_batch(engines[method], method, by_level[n], args.max_tokens, f"{r}-{n}", r, n))
+                runs[-1].position = position
                 _log(f"round {r + 1}, {n} in flight, {method}: {runs[-1].tokens_per_s:.1f} tok/s")
         del engines
         gc.collect()
     return by_level, runs
+
+
+def interleaved(methods: list[str]) -> list[str]:
+    """Plain decoding before, between and after the speculative methods (plain, m1, plain, m2, ..., plain):
+    each method is compared with the plain runs right before and after it, seconds apart, since a shared
+    host drifts by several percent over the minutes a level takes."""
+    order = [PLAIN]
+    for method in methods:
+        order += [method, PLAIN]
+    return order
 
 
 def load_engine(args: argparse.Namespace, method: str, spec_config: dict | None, max_concurrency: int):
@@ -324,21 +339,31 @@ def summarize_run(run: BatchRun) -> dict:
 
 def median_rows(runs: list[BatchRun]) -> list[dict]:
     """Per (method, N), the summary of its median-tok/s round (the lower middle for an even count), with every
-    round's tok/s, and vs_plain: the median over rounds of its tok/s over plain's at the same N in the same
-    round (a pair run minutes apart at most, so a host that turns busy between rounds moves both); ordered by
-    N, then method as first run."""
+    round's tok/s, and vs_plain: the median over rounds of its tok/s over plain's beside it at the same N
+    (`_plain_beside`: plain runs seconds apart, so a host that turns busy moves both); ordered by N, then
+    method as first run."""
     by_key: dict[tuple[int, str], list[BatchRun]] = {}
     for run in sorted(runs, key=lambda r: r.concurrency):
         by_key.setdefault((run.concurrency, run.method), []).append(run)
-    plain = {(r.concurrency, r.repeat): r.tokens_per_s for r in runs if r.method == PLAIN}
     rows = []
     for group in by_key.values():
         ranked = sorted(group, key=lambda r: r.tokens_per_s)
         row = summarize_run(ranked[(len(ranked) - 1) // 2])
-        ratios = [safe_div(r.tokens_per_s, plain.get((r.concurrency, r.repeat), float("nan"))) for r in group]
+        ratios = [1.0 if r.method == PLAIN else safe_div(r.tokens_per_s, _plain_beside(r, runs)) for r in group]
         rows.append({**row, "tokens_per_s_rounds": [r.tokens_per_s for r in group], "vs_plain_rounds": ratios,
                      "vs_plain": _lower_median(ratios)})
     return rows
+
+
+def _plain_beside(run: BatchRun, runs: list[BatchRun]) -> float:
+    """Plain decoding's tok/s to compare a run with: the mean of the plain runs right before and after it in
+    its round and level where the runs were interleaved, else the round's plain run at that level."""
+    same = [r for r in runs if r.method == PLAIN and (r.concurrency, r.repeat) == (run.concurrency, run.repeat)]
+    if run.position is not None:
+        beside = [r.tokens_per_s for r in same if r.position is not None and abs(r.position - run.position) == 1]
+        if beside:
+            return sum(beside) / len(beside)
+    return median([r.tokens_per_s for r in same]) if same else float("nan")
 
 
 def _lower_median(values: list[float]) -> float:

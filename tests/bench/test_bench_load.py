@@ -11,7 +11,7 @@ import pytest
 from specserve.bench.common import BenchPrompt, write_json
 from specserve.bench.load import (
     PLAIN, BatchRun, RequestTrace, build_report, check_args, cmd_load, format_report, greedy_mismatches,
-    itl_samples, median_rows, parse_concurrency, percentile, prompts_by_level, ratio_table, save_plot,
+    interleaved, itl_samples, median_rows, parse_concurrency, percentile, prompts_by_level, ratio_table, save_plot,
     summarize_run)
 from specserve.bench.load_plot import plot_load
 from specserve.cli import build_parser, main
@@ -139,6 +139,20 @@ def test_the_ratio_to_plain_pairs_each_round_with_plain_of_the_same_round():
     rows = {(r["method"], r["concurrency"]): r for r in median_rows(runs)}
     assert rows["ngram", 1]["vs_plain_rounds"] == pytest.approx([1.1] * 3)
     assert rows["ngram", 1]["vs_plain"] == pytest.approx(1.1)
+
+
+def test_interleaved_runs_compare_each_method_with_the_plain_runs_beside_it():
+    """plain, ngram, plain, suffix, plain: the host slows down between the first and last plain run (3, then
+    2, then 1 tok/s); each method is compared with the mean of its two neighbours."""
+    assert interleaved(["ngram", "suffix"]) == [PLAIN, "ngram", PLAIN, "suffix", PLAIN]
+    runs = [_run(PLAIN, 1, 0, 1.0), _run("ngram", 1, 0, 1 / 2.75), _run(PLAIN, 1, 0, 1.5), _run("suffix", 1, 0, 1.5),
+            _run(PLAIN, 1, 0, 3.0)]  # ngram 8.25 tok/s, suffix 2 tok/s
+    for position, run in enumerate(runs):
+        run.position = position
+    rows = {(r["method"], r["concurrency"]): r for r in median_rows(runs)}
+    assert rows["ngram", 1]["vs_plain"] == pytest.approx(8.25 / 2.5)  # plain 3 and 2 beside it
+    assert rows["suffix", 1]["vs_plain"] == pytest.approx(2 / 1.5)  # plain 2 and 1
+    assert rows[PLAIN, 1]["vs_plain"] == 1.0 and rows[PLAIN, 1]["tokens_per_s"] == pytest.approx(2.0)
 
 
 def test_greedy_mismatches_compare_with_plain_of_the_same_round():

@@ -2,8 +2,9 @@
 plain decoding against each speculative method, on the same Spec-Bench prompts in one run.
 
 At every level plain decoding runs before, between and after the methods, and a method's ratio to plain is
-taken against the plain runs beside it. Times are taken after each engine step. Wall time: first request added to last token delivered. TTFT: first
-request added to a request's first token. ITL is per token (ITL_DEFINITION); p50/p99 are over every token.
+taken against the plain runs beside it. Times are taken after each engine step. Wall time: first request
+added to last token delivered. TTFT: first request added to a request's first token. ITL is per token
+(ITL_DEFINITION); p50/p99 are over every token.
 """
 from __future__ import annotations
 

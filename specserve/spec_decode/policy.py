@@ -9,8 +9,8 @@ text turns repetitive gets speculation back.
 cost(k) is measured: the runner times every size of step before the first request (on a dummy context;
 ModelRunner.calibrate_step_costs) and then every step that verifies one request alone, and the ratio of a
 (1 + k)-token step to a one-token step replaces the linear prior 1 + c * k (the prior stays for an engine
-that was not calibrated, until both sizes were seen a few times). The curve depends on the kernels, the machine and the context length (with oneDNN
-linears it jumped at 7 rows; with specserve's GEMM and chunked attention it rises ~2% per token at ~1k
+that was not calibrated, until both sizes were seen a few times). The curve depends on the kernels, the
+machine and the context length (with oneDNN linears it jumped at 7 rows; with specserve's GEMM and chunked attention it rises ~2% per token at ~1k
 tokens of context, most of it attention).
 The proposer's own time per draft token is added (nothing for prompt lookup, a forward pass of the
 drafter per token for draft_model).
@@ -23,8 +23,7 @@ accept a lot keep drafting. Before a fit the calibration prices a step of N requ
 a draft row at what a second token per request added), or without one the batch-1 prior scaled to the
 batch (a row's share of a one-token step, r, gives N r / (1 + N r) per draft at N requests); every 8th
 step decodes plainly while the steps are too alike in size to fit (or, at one request, until a one-token
-step is timed). With
-several requests a draft must promise BATCH_MIN_GAIN over plain decoding.
+step is timed). With several requests a draft must promise BATCH_MIN_GAIN over plain decoding.
 
 A request's expected tokens use the number of drafts it usually gets (a lookup often finds fewer than it
 is asked for), and when no request's draft pays, the runner does no drafting work at all.
@@ -165,10 +164,20 @@ class LinearStepFit:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         x, y = float(num_tokens), seconds
-        self._add(x, y, 1.0, self.DECAY)
+        self.sums = [s * self.DECAY + v for s, v in zip(self.sums, (1.0, x, y, x * x, x * y))]
         fixed = y / (1.0 + self.row_cost * x)
         self.fixed_guess = fixed if self.fixed_guess is None else 0.8 * self.fixed_guess + 0.2 * fixed
-        self._refit()
+        w, sx, sy, sxx, sxy = self.sums
+        if w < self.MIN_WEIGHT:
+            return
+        mean_x, mean_y = sx / w, sy / w
+        var_x = sxx / w - mean_x * mean_x
+        if var_x >= self.MIN_SPREAD ** 2:
+            per_token = max((sxy / w - mean_x * mean_y) / var_x, 0.0)
+            self.fit = (max(mean_y - per_token * mean_x, 0.0), per_token)
+        elif self.fit is not None:  # the last slope, through the recent steps: a host that turns busy or quiet
+            per_token = self.fit[1]  # moves the fixed part, and with it the price of a draft
+            self.fit = (max(mean_y - per_token * mean_x, 0.0), per_token)
 
     def seed(self, calibrated: dict[int, tuple[float, float]]) -> None:
         """Calibrated steps by number of requests N: (seconds of N requests adding one token each, and two
@@ -196,22 +205,6 @@ class LinearStepFit:
             t = 0.0 if hi == lo else (num_requests - lo) / (hi - lo)
             plain = (1 - t) * self.calibrated[lo][0] + t * self.calibrated[hi][0]
         return (plain, per_draft) if plain > 0 else None
-
-    def _add(self, x: float, y: float, weight: float, decay: float) -> None:
-        self.sums = [s * decay + weight * v for s, v in zip(self.sums, (1.0, x, y, x * x, x * y))]
-
-    def _refit(self) -> None:
-        w, sx, sy, sxx, sxy = self.sums
-        if w < self.MIN_WEIGHT - 1e-9:
-            return
-        mean_x, mean_y = sx / w, sy / w
-        var_x = sxx / w - mean_x * mean_x
-        if var_x >= self.MIN_SPREAD ** 2:
-            per_token = max((sxy / w - mean_x * mean_y) / var_x, 0.0)
-            self.fit = (max(mean_y - per_token * mean_x, 0.0), per_token)
-        elif self.fit is not None:  # the last slope, through the recent steps: a host that turns busy or quiet
-            per_token = self.fit[1]  # moves the fixed part, and with it the price of a draft
-            self.fit = (max(mean_y - per_token * mean_x, 0.0), per_token)
 
     def lacks_spread(self) -> bool:
         """Whether recent steps varied too little in size to fit a slope (all requests drafting alike)."""

@@ -140,8 +140,9 @@ class ModelRunner:
     def calibrate_step_costs(self, num_blocks: int, max_num_seqs: int) -> None:
         """Times the target's decode and verification steps on a dummy context before the first request, so
         the draft policy prices drafts from this machine's step costs from the first step instead of a prior:
-        one request verifying 0..k drafts, and batches of requests adding one and two tokens each. Its KV goes to blocks no
-        request holds yet (called before any request; every request writes its KV before reading it)."""
+        one request verifying 0..k drafts, and batches of requests adding one and two tokens each. Its KV goes
+        to blocks no request holds yet (called before any request; every request writes its KV before reading
+        it)."""
         if self.proposer is None or not self.draft_policy.adaptive:
             return
         k = max(o.max_drafts for o in self.draft_policy.options)

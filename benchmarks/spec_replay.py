@@ -55,8 +55,9 @@ def accepted_prefix(tokens: list[int], pos: int, draft: list[int]) -> int:
 class Replay:
     """One method's proposer and policy over a sequence of requests, as the runner drives them at batch 1."""
 
-    def __init__(self, method: str, cost: list[float], oracle: bool = False) -> None:
-        config = SpeculativeConfig.from_dict({"method": method, **({"drafter": "none"} if method == "auto" else {})})
+    def __init__(self, method: str, cost: list[float], oracle: bool = False, overrides: dict | None = None) -> None:
+        config = SpeculativeConfig.from_dict({"method": method, **({"drafter": "none"} if method == "auto" else {}),
+                                              **(overrides or {})})
         self.proposer = make_proposer(config, None)
         options = self.proposer.needs.options or (DraftOption(method, config.num_speculative_tokens),)
         self.max_k = max(o.max_drafts for o in options)
@@ -101,9 +102,10 @@ class Replay:
         return out.token_ids[0], (out.sources[0] or 0) if out.sources is not None else 0
 
 
-def score(items: list[dict], method: str, cost: list[float], oracle: bool = False) -> dict[str, float]:
+def score(items: list[dict], method: str, cost: list[float], oracle: bool = False,
+          overrides: dict | None = None) -> dict[str, float]:
     """Per category, output tokens per unit of step cost over its requests (plain decoding: 1.0)."""
-    replay, emitted, steps = Replay(method, cost, oracle), {}, {}
+    replay, emitted, steps = Replay(method, cost, oracle, overrides), {}, {}
     for i, item in enumerate(items):
         c = item["category"]
         steps[c] = steps.get(c, 0.0) + replay.request(f"r{i}", item["prompt"], item["output"])
@@ -129,7 +131,10 @@ def main() -> None:
     p.add_argument("--outputs", default="bench_results/spec_replay_outputs.json",
                    help="plain outputs, generated once and reused")
     p.add_argument("--bounds", action="store_true", help="also print the hindsight bound of each method")
+    p.add_argument("--spec-config-json", default="{}",
+                   help="per-method speculative_config overrides, e.g. '{\"suffix\": {\"suffix_decoding_min_token_prob\": 0.2}}'")
     args = p.parse_args()
+    overrides = json.loads(args.spec_config_json)
     path = Path(args.outputs)
     if path.is_file():
         items = json.loads(path.read_text())
@@ -144,7 +149,7 @@ def main() -> None:
         cost = [float(v) for v in text.split(",")]
         for method in args.methods.split(","):
             for oracle in (False, True) if args.bounds else (False,):
-                row = score(items, method, cost, oracle)
+                row = score(items, method, cost, oracle, overrides.get(method))
                 values = [row[c] for c in categories]
                 label = method + (" bound" if oracle else "")
                 print(f"{text[:9]:>9} {label:>12}  " + " ".join(f"{v:8.2f}" for v in values)

@@ -2,9 +2,10 @@
 
 The runner's DraftPolicy ranks the three per request and step by expected tokens per unit of cost, from
 the request's acceptance of each and each one's measured drafting time, and hands the ranking over as
-`DraftInputs.draft_plans`. The lookups run first, for the requests whose plan names them (microseconds
-each); each request then takes the first option of its plan that has a draft, and the model drafter runs
-once, for the requests that came to it. A request none of whose options pays gets no drafting work.
+`DraftInputs.draft_plans`. Each request takes the first option of its plan that has a draft: a lookup is
+asked for the requests it is the next choice of (microseconds each), the next option only where it found
+nothing, and the model drafter runs once, for the requests that came to it. A request none of whose
+options pays gets no drafting work.
 """
 from __future__ import annotations
 
@@ -50,19 +51,27 @@ class AutoProposer:
         sources: list[int | None] = [None] * size
         probs: list = [None] * size
         timings = []
-        candidates = []  # per lookup option, its drafts for the requests whose plan names it
-        for option in range(self.num_lookups):
-            wanted = [dict(plan).get(option, 0) for plan in plans]
-            candidates.append(self._run(option, inputs, wanted, timings).token_ids)
-        model_wanted = [0] * size
-        for i, plan in enumerate(plans):
-            for option, k in plan:
-                if option >= self.num_lookups:
-                    model_wanted[i] = k
-                    break
-                if candidates[option][i]:
-                    drafts[i], sources[i] = candidates[option][i], option
-                    break
+        turn = [0] * size  # each request's place in its plan
+        first = True
+        while True:  # ask each lookup for the requests it is the next choice of
+            # the first round calls every lookup: each sees every request (suffix keeps the histories for its
+            # global cache) and the finished ones
+            wanted: dict[int, list[int]] = {o: [0] * size for o in range(self.num_lookups)} if first else {}
+            for i, plan in enumerate(plans):
+                if not drafts[i] and turn[i] < len(plan) and plan[turn[i]][0] < self.num_lookups:
+                    option, k = plan[turn[i]]
+                    wanted.setdefault(option, [0] * size)[i] = k
+            if not wanted:
+                break
+            first = False
+            for option, want in wanted.items():
+                for i, tokens in enumerate(self._run(option, inputs, want, timings).token_ids):
+                    if want[i]:
+                        if tokens:
+                            drafts[i], sources[i] = tokens, option
+                        turn[i] += 1
+        model_wanted = [plan[turn[i]][1] if not drafts[i] and turn[i] < len(plan) else 0
+                        for i, plan in enumerate(plans)]  # the lookups found nothing: the model drafter
         for option in range(self.num_lookups, len(self.proposers)):  # called every step: it may keep state
             out = self._run(option, inputs, model_wanted, timings)
             for i, tokens in enumerate(out.token_ids):
@@ -73,7 +82,7 @@ class AutoProposer:
 
     def _run(self, option: int, inputs: DraftInputs, wanted: list[int], timings: list) -> Drafts:
         start = time.perf_counter()
-        out = self.proposers[option].propose(replace(inputs, num_drafts=wanted, draft_plans=[]))
+        out = self.proposers[option].propose(inputs.asking(wanted))
         if any(wanted):
             timings.append((option, sum(map(len, out.token_ids)), time.perf_counter() - start))
         return out

@@ -106,8 +106,19 @@ def best_num_drafts(rate: float, max_k: int, cost_per_draft: float = DEFAULT_COS
 
 def best_num_drafts_for(rate: float, max_k: int, cost) -> int:
     """argmax over k in [0, max_k] of expected tokens per unit of cost(k) (cost(0) = 1)."""
-    scores = [expected_tokens(rate, k) / cost(k) for k in range(max_k + 1)]
-    return max(range(max_k + 1), key=scores.__getitem__)
+    return best_in_table(rate, [cost(k) for k in range(max_k + 1)], max_k)
+
+
+def best_in_table(rate: float, costs: Sequence[float], max_k: int) -> int:
+    """argmax over k in [0, max_k] of expected tokens per unit of costs[k]; the first on ties."""
+    best_k, best, tokens, term = 0, 1.0 / costs[0], 1.0, 1.0
+    for k in range(1, max_k + 1):
+        term *= rate
+        tokens += term
+        score = tokens / costs[k]
+        if score > best:
+            best_k, best = k, score
+    return best_k
 
 
 class StepCosts:
@@ -268,6 +279,10 @@ class DraftPolicy:
         self.num_running = 0  # requests in the last step
         self.draft_seconds: list[float | None] = [None] * len(self.options)  # per option, per draft token
         self.step_index = 0
+        # per option, cost(k) for k = 0..max_drafts: the same for every request of a step, so computed once
+        # per (seeded, requests running, measurements seen)
+        self._tables: tuple[tuple, list[list[float]]] | None = None
+        self._measured = 0  # measurements seen
 
     # ---- measurements --------------------------------------------------------------------
     def seed_step_costs(self, single: dict[int, float], batched: dict[int, tuple[float, float]]) -> None:
@@ -277,10 +292,12 @@ class DraftPolicy:
         self.step_costs.seed(single)
         if batched:
             self.batch_fit.seed(batched)
+        self._measured += 1
 
     def observe_step(self, num_requests: int, num_tokens: int, seconds: float) -> None:
         """The time of a decode or verification step (no prefill in it)."""
         self.num_running = num_requests
+        self._measured += 1
         if num_requests == 1:
             self.step_costs.observe(num_tokens, seconds)
         else:
@@ -290,6 +307,7 @@ class DraftPolicy:
         """A proposer's time for the drafts of one step: free for prompt lookup, k forward passes of a
         second model for draft_model, which a draft must repay as much as its verification."""
         if num_draft_tokens > 0:
+            self._measured += 1
             per_token = seconds / num_draft_tokens
             old = self.draft_seconds[option]
             self.draft_seconds[option] = per_token if old is None else DRAFTING_EMA * old + (1 - DRAFTING_EMA) * per_token
@@ -326,15 +344,18 @@ class DraftPolicy:
         if not self.adaptive:
             return [(i, k) for i, k in enumerate(caps) if k > 0]
         stats = self._request_stats(req_id, seeded)
-        verify = (lambda k: 1.0 + self.cost_per_draft * k) if seeded else self._verify_cost()
-        costs = [self._option_cost(i, verify, seeded) for i in range(len(self.options))]
+        tables = self._cost_tables(seeded)
         scored = []
         least = 1.0 if seeded or self.num_running <= 1 else BATCH_MIN_GAIN
         for i, cap in enumerate(caps):
-            k = best_num_drafts_for(stats[i].rate, cap, costs[i]) if cap > 0 else 0
+            if cap <= 0:
+                continue
+            k = best_in_table(stats[i].rate, tables[i], cap)
+            if k == 0:
+                continue
             length = stats[i].usual_length(k)  # priced as the drafts it usually brings, not the k asked
-            score = expected_tokens(stats[i].rate, length) / costs[i](length)
-            if k > 0 and score >= least:
+            score = expected_tokens(stats[i].rate, length) / tables[i][length]
+            if score >= least:
                 scored.append((score, i, k))
         scored.sort(key=lambda s: -s[0])  # stable: ties keep the options' order
         if len(self.options) > 1:
@@ -345,22 +366,22 @@ class DraftPolicy:
         if scored:
             self.idle_steps[req_id] = 0
             return [(i, k) for _, i, k in scored]
-        return self._probe(req_id, caps, costs)
+        return self._probe(req_id, caps, tables)
 
     def num_drafts(self, req_id: str, max_k: int, seeded: bool = False) -> int:
         """The draft length of a one-option policy (0: decode plainly this step)."""
         plan = self.plan(req_id, max_k, seeded)
         return plan[0][1] if plan else 0
 
-    def _probe(self, req_id: str, caps: list[int], costs) -> list[tuple[int, int]]:
+    def _probe(self, req_id: str, caps: list[int], tables: list[list[float]]) -> list[tuple[int, int]]:
         """One draft from the cheapest option now and then, so a request whose text turns predictable
         gets speculation back, unless a draft costs so much that no acceptance could repay it."""
         idle = self.idle_steps[req_id] = self.idle_steps.get(req_id, 0) + 1
         usable = [i for i, cap in enumerate(caps) if cap > 0]
         if not usable:
             return []
-        cheapest = min(usable, key=lambda i: costs[i](1))
-        probe_cost = costs[cheapest](1)
+        cheapest = min(usable, key=lambda i: tables[i][1])
+        probe_cost = tables[cheapest][1]
         if idle >= probe_interval(probe_cost - 1.0) and probe_cost < 1.0 + MAX_PROBE_COST:
             self.idle_steps[req_id] = 0
             return [(cheapest, 1)]
@@ -391,6 +412,18 @@ class DraftPolicy:
         if seconds is None or not plain_seconds:
             return self.options[option].prior_drafting_cost
         return seconds / plain_seconds
+
+    def _cost_tables(self, seeded: bool) -> list[list[float]]:
+        """Per option, cost(k) for k = 0..its max_drafts (drafting and verifying k tokens, in plain steps)."""
+        key = (seeded, self.num_running, self._measured)
+        if self._tables is None or self._tables[0] != key:
+            verify = (lambda k: 1.0 + self.cost_per_draft * k) if seeded else self._verify_cost()
+            tables = []
+            for i, option in enumerate(self.options):
+                cost = self._option_cost(i, verify, seeded)
+                tables.append([cost(k) for k in range(option.max_drafts + 1)])
+            self._tables = (key, tables)
+        return self._tables[1]
 
     def _verify_cost(self) -> Callable[[int], float]:
         """cost(k) of verifying k drafts for one request of the current step, in plain steps, measured

@@ -107,6 +107,13 @@ class DraftInputs:
     # allows after its history and those drafts, or None for a request without one (None: no request has).
     allowed_next: Callable[[int, list[int]], torch.Tensor | None] | None = None
 
+    def asking(self, num_drafts: list[int]) -> DraftInputs:
+        """The same inputs asking for other draft counts (no plans): a shallow copy that shares the rest."""
+        copy = object.__new__(DraftInputs)
+        copy.__dict__.update(self.__dict__)
+        copy.num_drafts, copy.draft_plans = num_drafts, []
+        return copy
+
     def positions(self, i: int, start: int, end: int, mrope: bool) -> torch.Tensor:
         """Positions of request i's token indices start..end-1 (history, then drafts) as the target would
         place them: [n] indices, or with mrope [3, n] (a prompt's images, then index + delta)."""

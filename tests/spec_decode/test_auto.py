@@ -178,7 +178,7 @@ def test_auto_hands_a_request_to_the_next_option_when_a_lookup_finds_nothing(tar
             self.drafts, self.calls = drafts, []
 
         def propose(self, inputs):
-            self.calls.append(list(inputs.num_drafts))
+            self.calls.append((list(inputs.num_drafts), set(inputs.finished_req_ids)))
             return Drafts([list(self.drafts[rid]) if n else [] for rid, n in zip(inputs.req_ids, inputs.num_drafts)])
 
     suffix, ngram = Fixed({"a": [5, 6], "b": []}), Fixed({"a": [7], "b": [8, 9]})
@@ -186,10 +186,14 @@ def test_auto_hands_a_request_to_the_next_option_when_a_lookup_finds_nothing(tar
     inputs = DraftInputs(req_ids=["a", "b"], sampled_token_ids=[[1], [2]], next_token_ids=[1, 2],
                          token_ids=[[3, 1], [4, 2]], num_prompt_tokens=[1, 1], num_drafts=[5, 5],
                          sampling_params=[SamplingParams(temperature=0)] * 2, generators=[None, None],
-                         max_model_len=64, draft_plans=[[(0, 5), (1, 8)], [(0, 5), (1, 8)]])
+                         max_model_len=64, draft_plans=[[(0, 5), (1, 8)], [(0, 5), (1, 8)]],
+                         finished_req_ids={"gone"})
     out = proposer.propose(inputs)
     assert out.token_ids == [[5, 6], [8, 9]] and out.sources == [0, 1]
-    assert suffix.calls == [[5, 5]] and ngram.calls == [[8, 8]]  # each called once, for the plans naming it
+    # suffix is asked for both; ngram searches only for the request suffix found nothing for, and every
+    # lookup sees every request and the finished ones each step
+    assert suffix.calls == [([5, 5], {"gone"})]
+    assert ngram.calls == [([0, 0], {"gone"}), ([0, 8], {"gone"})]
 
 
 def test_auto_config_defaults_and_errors():

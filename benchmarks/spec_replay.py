@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from specserve.spec_decode.policy import DraftOption, DraftPolicy
 from specserve.spec_decode.proposer import DraftInputs, make_proposer
 
 METHODS = ("ngram", "suffix", "auto")
+STEP_SECONDS = 0.0035  # a one-token step's time under --noise (only ratios matter)
+SPIKE_RATE = 0.05  # under --noise, the share of steps slowed 1.3-2.5x by other work on the host
 MAX_MODEL_LEN = 8192
 
 
@@ -55,7 +58,8 @@ def accepted_prefix(tokens: list[int], pos: int, draft: list[int]) -> int:
 class Replay:
     """One method's proposer and policy over a sequence of requests, as the runner drives them at batch 1."""
 
-    def __init__(self, method: str, cost: list[float], oracle: bool = False, overrides: dict | None = None) -> None:
+    def __init__(self, method: str, cost: list[float], oracle: bool = False, overrides: dict | None = None,
+                 noise: float = 0.0) -> None:
         config = SpeculativeConfig.from_dict({"method": method, **({"drafter": "none"} if method == "auto" else {}),
                                               **(overrides or {})})
         self.proposer = make_proposer(config, None)
@@ -64,10 +68,11 @@ class Replay:
         self.curve = [1.0] + [cost[min(k, len(cost)) - 1] if len(cost) > 1 else 1.0 + cost[0] * k
                               for k in range(1, self.max_k + 1)]
         self.policy = DraftPolicy(options)
-        self.policy.step_costs.seconds = {1 + k: c for k, c in enumerate(self.curve)}  # as if measured
-        self.policy.step_costs.samples = {1 + k: 10 for k in range(len(self.curve))}
+        self.policy.seed_step_costs({1 + k: STEP_SECONDS * c for k, c in enumerate(self.curve)}, {})  # calibrated
         self.oracle = oracle
         self.finished: set[str] = set()
+        self.noise = noise
+        self.rng = random.Random(0)
 
     def request(self, rid: str, prompt: list[int], output: list[int]) -> float:
         """Steps (in one-token step units) to emit `output` after the prefill's first token."""
@@ -86,9 +91,16 @@ class Replay:
                 self.policy.record(rid, len(draft), accepted, source)
             steps += self.curve[len(draft)]
             pos += accepted + 1
+            if self.noise:  # the policy sees the step's time as a shared host would report it
+                self.policy.observe_step(1, 1 + len(draft), STEP_SECONDS * self.curve[len(draft)] * self._jitter())
         self.policy.forget(rid)
         self.finished.add(rid)
         return steps
+
+    def _jitter(self) -> float:
+        """A shared host's factor on one step's time: log-normal spread, and now and then a preempted step."""
+        factor = self.rng.lognormvariate(0.0, self.noise)
+        return factor * self.rng.uniform(1.3, 2.5) if self.rng.random() < SPIKE_RATE else factor
 
     def _propose(self, rid: str, history: list[int], num_prompt: int, plan) -> tuple[list[int], int]:
         inputs = DraftInputs(req_ids=[rid], sampled_token_ids=[history[-1:]], next_token_ids=[history[-1]],
@@ -103,9 +115,9 @@ class Replay:
 
 
 def score(items: list[dict], method: str, cost: list[float], oracle: bool = False,
-          overrides: dict | None = None) -> dict[str, float]:
+          overrides: dict | None = None, noise: float = 0.0) -> dict[str, float]:
     """Per category, output tokens per unit of step cost over its requests (plain decoding: 1.0)."""
-    replay, emitted, steps = Replay(method, cost, oracle, overrides), {}, {}
+    replay, emitted, steps = Replay(method, cost, oracle, overrides, noise), {}, {}
     for i, item in enumerate(items):
         c = item["category"]
         steps[c] = steps.get(c, 0.0) + replay.request(f"r{i}", item["prompt"], item["output"])
@@ -133,6 +145,9 @@ def main() -> None:
     p.add_argument("--bounds", action="store_true", help="also print the hindsight bound of each method")
     p.add_argument("--spec-config-json", default="{}",
                    help="per-method speculative_config overrides, e.g. '{\"suffix\": {\"suffix_decoding_min_token_prob\": 0.2}}'")
+    p.add_argument("--noise", type=float, default=0.0,
+                   help="feed the policy each step's time as measured on a noisy host: log-normal spread with this "
+                        "sigma (e.g. 0.1) and 5%% of steps slowed 1.3-2.5x; charged cost stays the true curve")
     args = p.parse_args()
     overrides = json.loads(args.spec_config_json)
     path = Path(args.outputs)
@@ -149,7 +164,7 @@ def main() -> None:
         cost = [float(v) for v in text.split(",")]
         for method in args.methods.split(","):
             for oracle in (False, True) if args.bounds else (False,):
-                row = score(items, method, cost, oracle, overrides.get(method))
+                row = score(items, method, cost, oracle, overrides.get(method), args.noise)
                 values = [row[c] for c in categories]
                 label = method + (" bound" if oracle else "")
                 print(f"{text[:9]:>9} {label:>12}  " + " ".join(f"{v:8.2f}" for v in values)

@@ -9,7 +9,9 @@ text turns repetitive gets speculation back.
 cost(k) is measured: the runner times every size of step before the first request (on a dummy context;
 ModelRunner.calibrate_step_costs) and then every step that verifies one request alone, and the ratio of a
 (1 + k)-token step to a one-token step replaces the linear prior 1 + c * k (the prior stays for an engine
-that was not calibrated, until both sizes were seen a few times). The curve depends on the kernels, the
+that was not calibrated, until both sizes were seen a few times). On a shared host single steps are often
+slowed by other work: a live timing moves its size's average by at most 10% of it, and cost(k) is never
+below cost(k - 1) (sizes are timed apart). The curve depends on the kernels, the
 machine and the context length (with oneDNN linears it jumped at 7 rows; with specserve's GEMM and chunked attention it rises ~2% per token at ~1k
 tokens of context, most of it attention).
 The proposer's own time per draft token is added (nothing for prompt lookup, a forward pass of the
@@ -126,6 +128,7 @@ class StepCosts:
 
     MIN_SAMPLES = 3  # observations of both step sizes before a measured ratio is trusted
     EMA = 0.8
+    CLIP = 0.1  # an observation counts at most this far (relative) from the running value
 
     def __init__(self, cost_per_draft: float = DEFAULT_COST_PER_DRAFT) -> None:
         self.cost_per_draft = cost_per_draft
@@ -137,6 +140,8 @@ class StepCosts:
             self.samples[num_tokens] = 0
             return
         old = self.seconds.get(num_tokens)
+        if old is not None:  # a step that other work on the host slowed (or a quick one) moves it a little only
+            seconds = min(max(seconds, old * (1 - self.CLIP)), old * (1 + self.CLIP))
         self.seconds[num_tokens] = seconds if old is None else self.EMA * old + (1 - self.EMA) * seconds
         self.samples[num_tokens] = self.samples.get(num_tokens, 0) + 1
 
@@ -147,7 +152,11 @@ class StepCosts:
             self.samples[num_tokens] = max(self.samples.get(num_tokens, 0), self.MIN_SAMPLES)
 
     def relative(self, k: int) -> float:
-        """cost of verifying k drafts, in one-token steps."""
+        """cost of verifying k drafts, in one-token steps: never less than verifying fewer (sizes are timed
+        apart, so noise can put a larger step below a smaller one)."""
+        return max((self._ratio(j) for j in range(k + 1)), default=1.0)
+
+    def _ratio(self, k: int) -> float:
         if k == 0:
             return 1.0
         if min(self.samples.get(1, 0), self.samples.get(1 + k, 0)) >= self.MIN_SAMPLES:

@@ -238,3 +238,16 @@ def test_one_request_that_always_drafts_gets_plain_steps_until_a_one_token_step_
             policy.observe_step(1, 1, 0.02)  # the plain step is timed
     # the first one-token step of a size is not counted: four calibration steps give three samples
     assert plain_steps == [CALIBRATE_EVERY * j for j in range(1, 5)]
+
+
+def test_step_costs_resist_a_slowed_step_and_never_price_more_drafts_below_fewer():
+    from specserve.spec_decode.policy import StepCosts
+
+    costs = StepCosts()
+    costs.seed({1: 1.0, 2: 1.1, 3: 1.5, 4: 1.4})  # size 4 timed below size 3: noise
+    assert costs.relative(3) == costs.relative(2) == 1.5  # priced as the dearer smaller step
+    costs.observe(1, 3.0)  # a one-token step that other work on the host slowed threefold
+    assert costs.seconds[1] == 1.0 + (1 - StepCosts.EMA) * StepCosts.CLIP  # moved 2%, not 40%
+    for _ in range(60):  # a host that stays slower is followed
+        costs.observe(1, 1.5)
+    assert abs(costs.seconds[1] - 1.5) < 0.01

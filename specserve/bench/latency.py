@@ -404,6 +404,7 @@ def summarize(timings: list[RequestTiming]) -> list[dict]:
     methods = list(dict.fromkeys(t.method for t in timings))
     categories = list(dict.fromkeys(t.category for t in timings))
     tokens = {(t.method, t.question_id): t.token_ids for t in timings}
+    plain_of = {t.question_id: t for t in timings if t.method == PLAIN}
     rows = []
     for category in categories:
         decode = {m: median(t.decode_tokens_per_s for t in timings if t.method == m and t.category == category)
@@ -417,10 +418,26 @@ def summarize(timings: list[RequestTiming]) -> list[dict]:
                    "acceptance_length_median": _median_or_none(t.acceptance_length for t in group),
                    "decode_vs_specserve_plain": safe_div(decode[method], decode.get(PLAIN, float("nan"))),
                    "decode_vs_transformers_plain": safe_div(decode[method], decode.get(HF_PLAIN, float("nan"))),
-                   "decode_vs_llamacpp_plain": safe_div(decode[method], decode.get(LLAMACPP_PLAIN, float("nan")))}
+                   "decode_vs_llamacpp_plain": safe_div(decode[method], decode.get(LLAMACPP_PLAIN, float("nan"))),
+                   "decode_vs_specserve_plain_paired": paired_ratio(group, plain_of)}
             row.update(greedy_check(group, tokens, reference_method(method)))
             rows.append(row)
     return rows
+
+
+def paired_ratio(group: list[RequestTiming], plain_of: dict) -> float | None:
+    """Decode speed over specserve plain's, each prompt against plain's run of the same prompt in the same
+    round (seconds apart): the median over rounds per prompt, the geometric mean over prompts. A host whose
+    speed drifts between prompts moves both runs of a pair alike. None for a method plain does not pair with."""
+    ratios = []
+    for t in group:
+        plain = plain_of.get(t.question_id)
+        if plain is None or (t.method != PLAIN and reference_method(t.method) != PLAIN):
+            return None
+        mine = t.spec_stats.get("decode_s_rounds") or [t.decode_s]
+        theirs = plain.spec_stats.get("decode_s_rounds") or [plain.decode_s]
+        ratios.append(median([safe_div(p, m) for p, m in zip(theirs, mine)]))
+    return geometric_mean(ratios) if ratios else None
 
 
 def _median_or_none(values) -> float | None:
@@ -472,6 +489,10 @@ def summarize_methods(rows: list[dict], timings: list[RequestTiming] = ()) -> li
             "decode_vs_specserve_plain_geomean": geometric_mean(r["decode_vs_specserve_plain"] for r in mine),
             "decode_vs_transformers_plain_geomean": geometric_mean(r["decode_vs_transformers_plain"] for r in mine),
             "decode_vs_llamacpp_plain_geomean": geometric_mean(r["decode_vs_llamacpp_plain"] for r in mine),
+            "decode_vs_specserve_plain_paired_geomean": geometric_mean(r.get("decode_vs_specserve_plain_paired")
+                                                                       for r in mine),
+            "decode_vs_specserve_plain_paired_min": min((r["decode_vs_specserve_plain_paired"] for r in mine
+                                                         if r.get("decode_vs_specserve_plain_paired")), default=None),
             "ttft_median_s_geomean": geometric_mean(r["ttft_median_s"] for r in mine),
             "acceptance_length_mean": sum(acceptance) / len(acceptance) if acceptance else None,
             "acceptance_by_position": acceptance_by_position(timings_of.get(method, [])),
@@ -505,17 +526,19 @@ def format_report(report: dict) -> str:
              _ratio(r["decode_vs_specserve_plain"]), _ratio(r["decode_vs_transformers_plain"]),
              *([_ratio(r.get("decode_vs_llamacpp_plain"))] if with_llamacpp else []), _greedy_cell(r)]
             for r in report["per_category"]]
-    summary_headers = ["method", "decode vs plain (geomean)", "decode vs HF plain (geomean)",
+    summary_headers = ["method", "decode vs plain (geomean)", "paired (geomean, lowest category)",
+                       "decode vs HF plain (geomean)",
                        *(["decode vs llama.cpp plain (geomean)"] if with_llamacpp else []), "TTFT ms (geomean)",
                        "accept len (mean)", "greedy = ref"]
     summary = [[LABELS.get(s["method"], s["method"]), _ratio(s["decode_vs_specserve_plain_geomean"]),
-                _ratio(s["decode_vs_transformers_plain_geomean"]),
+                _paired_cell(s), _ratio(s["decode_vs_transformers_plain_geomean"]),
                 *([_ratio(s.get("decode_vs_llamacpp_plain_geomean"))] if with_llamacpp else []),
                 s["ttft_median_s_geomean"] * 1000, s["acceptance_length_mean"],
                 f"{s['greedy_identical']}/{s['greedy_compared']}" if s["greedy_compared"] else None]
                for s in report["summary"]]
     lines = ["Medians over each category's prompts; ratios are of decode tok/s; 'greedy = ref' counts outputs "
-             "identical to the same engine's plain decoding.", format_table(headers, rows), "",
+             "identical to the same engine's plain decoding; 'paired': each prompt against plain's run of it in "
+             "the same round.", format_table(headers, rows), "",
              "Summary over categories:", format_table(summary_headers, summary)]
     for s in report["summary"]:
         if s.get("acceptance_by_position"):
@@ -538,6 +561,11 @@ def speculative_mismatches(report: dict) -> list[str]:
 
 def _ratio(value: float | None) -> str | None:
     return None if value is None or value != value else f"{value:.2f}x"
+
+
+def _paired_cell(summary: dict) -> str | None:
+    paired, lowest = summary.get("decode_vs_specserve_plain_paired_geomean"), summary.get("decode_vs_specserve_plain_paired_min")
+    return None if paired is None or paired != paired else f"{paired:.2f}x, {lowest:.2f}x"
 
 
 def _greedy_cell(row: dict) -> str | None:

@@ -4,6 +4,7 @@ On a dedicated 2-core machine two threads speed up multi-token steps (verificati
 1.5x; on a shared one, every OpenMP parallel region may wait a scheduler tick for its second thread and
 the same step runs 2x slower (both measured here). So per step-size bucket the policy keeps a moving
 average of seconds per token for each thread count, uses the faster, and re-measures the other now and then.
+The averages take a faster step at once and a slower one a little at a time (SLOWER_CLIP).
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ SLOW_EXPLORE = 1.5
 CLEAR_MARGIN = 1.1
 MAX_EXPLORE_EVERY = 1024
 EMA = 0.7  # weight of the history in the moving averages
+# A step slower than its average counts as at most this much slower: one step that another process slowed 2x
+# (common on a shared host) would otherwise make the faster choice look slower for a whole level of a run;
+# a host that turns slower for good is followed within ~10 steps of each choice.
+SLOWER_CLIP = 0.25
 
 
 class ThreadPolicy:
@@ -107,7 +112,10 @@ class ThreadPolicy:
             if self.steps.get(bucket, 0) >= EXPLORE_EVERY:
                 self.next_explore[bucket] = self.steps[bucket] + interval  # the new interval, from this step
         old = self.seconds.get(key)
-        self.seconds[key] = per_token if old is None else EMA * old + (1 - EMA) * per_token
+        if old is None or per_token <= old:  # other work on the host only ever adds time: a faster step is the truth
+            self.seconds[key] = per_token
+        else:  # a slower one may be a step that other work slowed: it moves the average a little at a time
+            self.seconds[key] = EMA * old + (1 - EMA) * min(per_token, old * (1 + SLOWER_CLIP))
 
     @contextmanager
     def run(self, num_tokens: int):

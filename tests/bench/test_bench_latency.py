@@ -148,6 +148,23 @@ def test_median_rounds_keeps_each_pairs_median_decode_round():
         median_rounds(rounds)
 
 
+def test_paired_ratio_compares_each_prompt_with_plain_in_the_same_round():
+    same = [1, 2, 3]
+    plain1, plain2 = _timing(PLAIN, "qa", "q1", 0.4, same), _timing(PLAIN, "qa", "q2", 0.2, same)
+    plain1.spec_stats = {"decode_s_rounds": [0.4, 0.8, 0.4]}  # round 2: the host was twice as slow
+    ngram1, ngram2 = _timing("ngram", "qa", "q1", 0.2, same), _timing("ngram", "qa", "q2", 0.1, same)
+    ngram1.spec_stats = {"decode_s_rounds": [0.2, 0.4, 0.25]}  # ... for both runs of the pair
+    timings = [plain1, plain2, ngram1, ngram2, _timing(HF_PLAIN, "qa", "q1", 0.8, same)]
+    rows = {(r["category"], r["method"]): r for r in summarize(timings)}
+    # q1: per-round 2.0, 2.0, 1.6 -> median 2.0; q2 (one round): 2.0; geometric mean 2.0
+    assert rows["qa", "ngram"]["decode_vs_specserve_plain_paired"] == pytest.approx(2.0)
+    assert rows["qa", PLAIN]["decode_vs_specserve_plain_paired"] == pytest.approx(1.0)
+    assert rows["qa", HF_PLAIN]["decode_vs_specserve_plain_paired"] is None
+    summary = {s["method"]: s for s in summarize_methods(list(rows.values()))}
+    assert summary["ngram"]["decode_vs_specserve_plain_paired_geomean"] == pytest.approx(2.0)
+    assert summary["ngram"]["decode_vs_specserve_plain_paired_min"] == pytest.approx(2.0)
+
+
 def test_summary_geometric_means():
     summary = {s["method"]: s for s in summarize_methods(summarize(_synthetic()))}
     assert summary["ngram"]["decode_vs_specserve_plain_geomean"] == pytest.approx(2.0)

@@ -90,3 +90,17 @@ def test_a_clear_prefill_verdict_is_not_re_measured_early():
         picks.append(policy.choose(1000))
         policy.record(1000, picks[-1], 1.3 if picks[-1] == 1 else 0.75)
     assert picks[:3] == [2, 1, 2] and picks[3:-1] == [2] * (EXPLORE_EVERY - 4) and picks[-1] == 1
+
+
+def test_a_step_slowed_by_other_work_does_not_flip_the_choice_but_a_lasting_change_does():
+    policy = ThreadPolicy(max_threads=2)
+    policy.record(8, 2, 1.0)  # first step of the size: skipped
+    policy.record(8, 2, 0.040)  # 5 ms a token on two threads
+    policy.record(8, 1, 0.056)  # 7 ms on one
+    policy.record(8, 2, 0.100)  # one two-thread step another process slowed 2.5x
+    assert policy.choose(8) == 2  # counted as 25% slower at most: 5.75 ms, still below 7
+    policy.record(8, 2, 0.036)  # a faster step is taken at once
+    assert policy.seconds[(8, 2)] == 0.036 / 8
+    for _ in range(12):  # two threads turn slower for good (another process holds a core)
+        policy.record(8, 2, 0.080)
+    assert policy.choose(8) == 1

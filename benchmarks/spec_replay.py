@@ -12,7 +12,9 @@ weights on an Intel Xeon, ~0.18 on 4-bit GGUF blocks on an AMD EPYC). Plain deco
     .venv/bin/python benchmarks/spec_replay.py --prompts-per-category 6 --cost 0.18 --cost 0.035
 
 It also prints a hindsight bound per method: every step drafts exactly the tokens that would be accepted
-from the drafts the proposer offers at full length (never a rejected draft), at the same cost.
+from the drafts the proposer offers at full length (never a rejected draft), at the same cost. With
+--noise the policy is also fed each step's time as a shared host reports it (spread, and now and then a
+slowed step), as the engine's live timings are, while the charged cost stays the given curve.
 """
 from __future__ import annotations
 

@@ -146,7 +146,8 @@ def main() -> None:
                    help="plain outputs, generated once and reused")
     p.add_argument("--bounds", action="store_true", help="also print the hindsight bound of each method")
     p.add_argument("--spec-config-json", default="{}",
-                   help="per-method speculative_config overrides, e.g. '{\"suffix\": {\"suffix_decoding_min_token_prob\": 0.2}}'")
+                   help="per-method speculative_config overrides, e.g. "
+                        "'{\"suffix\": {\"suffix_decoding_min_token_prob\": 0.2}}'")
     p.add_argument("--noise", type=float, default=0.0,
                    help="feed the policy each step's time as measured on a noisy host: log-normal spread with this "
                         "sigma (e.g. 0.1) and 5%% of steps slowed 1.3-2.5x; charged cost stays the true curve")

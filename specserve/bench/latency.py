@@ -564,7 +564,8 @@ def _ratio(value: float | None) -> str | None:
 
 
 def _paired_cell(summary: dict) -> str | None:
-    paired, lowest = summary.get("decode_vs_specserve_plain_paired_geomean"), summary.get("decode_vs_specserve_plain_paired_min")
+    paired = summary.get("decode_vs_specserve_plain_paired_geomean")
+    lowest = summary.get("decode_vs_specserve_plain_paired_min")
     return None if paired is None or paired != paired else f"{paired:.2f}x, {lowest:.2f}x"
 
 

@@ -11,9 +11,9 @@ ModelRunner.calibrate_step_costs) and then every step that verifies one request 
 (1 + k)-token step to a one-token step replaces the linear prior 1 + c * k (the prior stays for an engine
 that was not calibrated, until both sizes were seen a few times). On a shared host single steps are often
 slowed by other work: a live timing moves its size's average by at most 10% of it, and cost(k) is never
-below cost(k - 1) (sizes are timed apart). The curve depends on the kernels, the
-machine and the context length (with oneDNN linears it jumped at 7 rows; with specserve's GEMM and chunked attention it rises ~2% per token at ~1k
-tokens of context, most of it attention).
+below cost(k - 1) (sizes are timed apart). The curve depends on the kernels, the machine and the context
+length (with oneDNN linears it jumped at 7 rows; with specserve's GEMM and chunked attention it rises ~2% per
+token at ~1k tokens of context, most of it attention).
 The proposer's own time per draft token is added (nothing for prompt lookup, a forward pass of the
 drafter per token for draft_model).
 

@@ -26,7 +26,8 @@ def test_calibration_times_every_verification_size_and_the_batched_step_before_a
     assert all(v > 0 for v in policy.step_costs.seconds.values())
     # batches of 2, 4 and 8 requests (max_num_seqs 8), one and two tokens each: priced from the first step
     assert sorted(policy.batch_fit.calibrated) == [2, 4, 8] and policy.batch_fit.fit is None
-    assert all(0 < one < two for one, two in policy.batch_fit.calibrated.values())
+    # each a timed step (on a tiny model two tokens a request may time as fast as one: noise, not ordered)
+    assert all(one > 0 and two > 0 for one, two in policy.batch_fit.calibrated.values())
     assert policy.batch_fit.draft_cost(4) is not None and policy.batch_fit.share(4) > 0
     assert policy.drafts_this_step(1)  # no plain steps needed to time a one-token step
 

@@ -2,7 +2,8 @@
 plain decoding against each speculative method, on the same Spec-Bench prompts in one run.
 
 At every level plain decoding runs before, between and after the methods, and a method's ratio to plain is
-taken against the plain runs beside it. Times are taken after each engine step. Wall time: first request
+taken against the plain runs beside it; plain runs taken the same way against plain give the level's noise
+floor (`plain_vs_plain`). Times are taken after each engine step. Wall time: first request
 added to last token delivered. TTFT: first request added to a request's first token. ITL is per token
 (ITL_DEFINITION); p50/p99 are over every token.
 """
@@ -373,13 +374,34 @@ def _lower_median(values: list[float]) -> float:
     return ordered[(len(ordered) - 1) // 2] if ordered else float("nan")
 
 
-def ratio_table(rows: list[dict]) -> list[dict]:
-    """One entry per concurrency: plain's tok/s and each speculative method's tok/s over plain's."""
+def plain_vs_plain(runs: list[BatchRun]) -> dict[int, list[float]]:
+    """The noise floor of a level's ratios (an A/A comparison): each plain run between two methods, taken as if
+    it were a method, against the mean of the plain runs two places before and after it (as far apart as
+    a method's neighbours are from each other), the lower median over rounds per place, as vs_plain is. A
+    method that changes nothing lands within the spread of these values."""
+    ratios: dict[tuple[int, int], list[float]] = {}
+    plain = {(r.concurrency, r.repeat, r.position): r.tokens_per_s for r in runs
+             if r.method == PLAIN and r.position is not None}
+    for (n, repeat, position), tokens_per_s in plain.items():
+        before, after = plain.get((n, repeat, position - 2)), plain.get((n, repeat, position + 2))
+        if before is not None and after is not None:
+            ratios.setdefault((n, position), []).append(safe_div(tokens_per_s, (before + after) / 2))
+    floor: dict[int, list[float]] = {}
+    for (n, _), values in sorted(ratios.items()):
+        floor.setdefault(n, []).append(_lower_median(values))
+    return floor
+
+
+def ratio_table(rows: list[dict], floor: dict[int, list[float]] | None = None) -> list[dict]:
+    """One entry per concurrency: plain's tok/s, each speculative method's tok/s over plain's and, with
+    interleaved runs, plain's own over plain's (`plain_vs_plain`)."""
     table: dict[int, dict] = {}
     for row in rows:
         entry = table.setdefault(row["concurrency"], {"concurrency": row["concurrency"]})
         if row["method"] == PLAIN:
             entry["plain_tokens_per_s"] = row["tokens_per_s"]
+            if floor and floor.get(row["concurrency"]):
+                entry["plain_vs_plain"] = floor[row["concurrency"]]
         else:
             entry[row["method"]] = row["vs_plain"]
     return [table[n] for n in sorted(table)]
@@ -414,9 +436,11 @@ def build_report(args: argparse.Namespace, env: dict, configs: dict[str, dict],
             "definitions": {"wall_s": "first request added to last token delivered", "itl": ITL_DEFINITION,
                             "ttft": "first request added to the request's first token",
                             "acceptance_length": "1 + accepted / drafts, over all requests",
-                            "drafted_step_share": "steps that verified a draft / steps after the first token"},
+                            "drafted_step_share": "steps that verified a draft / steps after the first token",
+                            "plain_vs_plain": "noise floor: plain runs between methods against the plain runs "
+                                              "two places away, median over rounds per place"},
             "prompts": {n: prompts_summary(p) for n, p in prompts.items()}, "results": rows,
-            "ratio_table": ratio_table(rows), "greedy_compared": sum(len(r.traces) for r in runs if r.method != PLAIN),
+            "ratio_table": ratio_table(rows, plain_vs_plain(runs)), "greedy_compared": sum(len(r.traces) for r in runs if r.method != PLAIN),
             "greedy_mismatches": greedy_mismatches(runs)}
 
 
@@ -426,12 +450,15 @@ def format_report(report: dict) -> str:
     spec = methods[1:]
     cell = {(r["concurrency"], r["method"]): r for r in rows}
     levels = report["concurrency"]
-    throughput = [[n, cell[n, PLAIN]["tokens_per_s"], *[_ratio(cell[n, m]["vs_plain"]) for m in spec]] for n in levels]
+    floor = {t["concurrency"]: t.get("plain_vs_plain") for t in report["ratio_table"]}
+    throughput = [[n, cell[n, PLAIN]["tokens_per_s"], *[_ratio(cell[n, m]["vs_plain"]) for m in spec], _spread(floor[n])]
+                  for n in levels]
     itl = [[n, *[f"{cell[n, m]['itl_p50_ms']:.1f} / {cell[n, m]['itl_p99_ms']:.1f}" for m in methods]] for n in levels]
     accept = [[n, *[_acceptance(cell[n, m]) for m in spec]] for n in levels]
     mismatches = report["greedy_mismatches"]
     lines = ["Total output tok/s (plain) and each method's over plain's:",
-             format_table(["concurrency", "plain tok/s", *[f"{m} / plain" for m in spec]], throughput), "",
+             format_table(["concurrency", "plain tok/s", *[f"{m} / plain" for m in spec], "plain / plain"],
+                          throughput), "",
              "Inter-token latency p50 / p99 ms (a delivery's gap split equally among its tokens):",
              format_table(["concurrency", *methods], itl)]
     if spec:
@@ -444,6 +471,11 @@ def format_report(report: dict) -> str:
 
 def _ratio(value: float | None) -> str | None:
     return None if value is None or value != value else f"{value:.2f}x"
+
+
+def _spread(values: list[float] | None) -> str | None:
+    """The range of a level's plain-vs-plain ratios: how far a method that changes nothing may land."""
+    return f"{min(values):.2f}-{max(values):.2f}x" if values else None
 
 
 def _acceptance(row: dict) -> str | None:

@@ -11,7 +11,8 @@ import pytest
 from specserve.bench.common import BenchPrompt, write_json
 from specserve.bench.load import (
     PLAIN, BatchRun, RequestTrace, build_report, check_args, cmd_load, format_report, greedy_mismatches,
-    interleaved, itl_samples, median_rows, parse_concurrency, percentile, prompts_by_level, ratio_table, save_plot,
+    interleaved, itl_samples, median_rows, parse_concurrency, percentile, plain_vs_plain, prompts_by_level,
+    ratio_table, save_plot,
     summarize_run)
 from specserve.bench.load_plot import plot_load
 from specserve.cli import build_parser, main
@@ -153,6 +154,24 @@ def test_interleaved_runs_compare_each_method_with_the_plain_runs_beside_it():
     assert rows["ngram", 1]["vs_plain"] == pytest.approx(8.25 / 2.5)  # plain 3 and 2 beside it
     assert rows["suffix", 1]["vs_plain"] == pytest.approx(2 / 1.5)  # plain 2 and 1
     assert rows[PLAIN, 1]["vs_plain"] == 1.0 and rows[PLAIN, 1]["tokens_per_s"] == pytest.approx(2.0)
+
+
+def test_plain_against_plain_gives_the_noise_floor_of_a_level():
+    """plain, ngram, plain, suffix, plain, auto, plain over two rounds: the plain runs at places 2 and 4
+    against the mean of the plain runs two places away; a lower median over rounds per place."""
+    def round_(repeat, plain_seconds):
+        runs = []
+        for position, method in enumerate(interleaved(["ngram", "suffix", "auto"])):
+            seconds = plain_seconds[position // 2] if method == PLAIN else 1.0
+            runs.append(_run(method, 1, repeat, seconds))
+            runs[-1].position = position
+        return runs
+    # tok/s 3 / s: round 0 plain 3, 2, 3, 2 tok/s; round 1 plain 3, 3, 3, 3
+    runs = round_(0, [1.0, 1.5, 1.0, 1.5]) + round_(1, [1.0, 1.0, 1.0, 1.0]) + [_run(PLAIN, 2, 0, 1.0)]
+    floor = plain_vs_plain(runs)
+    assert floor == {1: [pytest.approx(2 / 3), pytest.approx(1.0)]}  # place 2: 2/3 and 1; place 4: 3/2 and 1
+    table = ratio_table(median_rows(runs), floor)
+    assert table[0]["plain_vs_plain"] == floor[1] and "plain_vs_plain" not in table[1]  # N=2 ran no methods
 
 
 def test_greedy_mismatches_compare_with_plain_of_the_same_round():

@@ -49,7 +49,7 @@ def run_llamacpp(model_path: str, prompts: list[BenchPrompt], warmup: BenchPromp
 
 
 def generate_timed(llm, prompt: BenchPrompt, max_tokens: int, method: str):
-    from specserve.bench.latency import RequestTiming
+    from specserve.bench.latency_report import RequestTiming
 
     llm.reset()  # no prefix reuse: the whole prompt is prefilled
     token_ids, start = [], time.perf_counter()

@@ -22,7 +22,8 @@ from typing import Sequence
 from specserve.bench.common import (
     DEFAULT_DATASET, BenchPrompt, Stopwatch, common_prefix_len, environment_info, format_table, median,
     mismatch_exit_status, prompts_summary, read_specbench, render_prompts, safe_div, select_spread, write_json)
-from specserve.bench.latency import DEFAULT_NUM_SPECULATIVE_TOKENS, WARMUP_MESSAGE, WARMUP_TOKENS, spec_configs
+from specserve.bench.latency import WARMUP_MESSAGE, WARMUP_TOKENS, spec_configs
+from specserve.bench.latency_report import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64"
 DEFAULT_METHODS = "ngram,suffix,draft_model,auto"

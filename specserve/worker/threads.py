@@ -39,6 +39,11 @@ EMA = 0.7  # weight of the history in the moving averages
 # (common on a shared host) would otherwise make the faster choice look slower for a whole level of a run;
 # a host that turns slower for good is followed within ~10 steps of each choice.
 SLOWER_CLIP = 0.25
+# A step of more tokens than this never runs the other choice to measure it: one thread on a 2,000-token
+# prefill took ~0.5 s more than two here, a first run of four prompts at once 8% slower for it. It runs the
+# faster choice measured on its bucket's smaller steps, or all threads while only those are measured (a long
+# step's parallel regions are long, so a second thread that starts late costs little of it).
+EXPLORE_MAX_TOKENS = 256
 
 
 class ThreadPolicy:
@@ -57,6 +62,9 @@ class ThreadPolicy:
 
     def choose(self, num_tokens: int) -> int:
         bucket = self._bucket(num_tokens)
+        if num_tokens > EXPLORE_MAX_TOKENS:
+            measured = [t for t in self.choices if (bucket, t) in self.seconds]
+            return min(measured, key=lambda t: self.seconds[(bucket, t)]) if measured else self.choices[0]
         self.steps[bucket] = step = self.steps.get(bucket, 0) + 1
         unmeasured = [t for t in self.choices if (bucket, t) not in self.seconds]
         if unmeasured:

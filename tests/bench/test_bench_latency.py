@@ -7,10 +7,10 @@ import pytest
 
 from specserve.bench.common import BenchPrompt, write_json
 from specserve.models.loader import default_model_path
-from specserve.bench.latency import (
+from specserve.bench.latency import check_args, cmd_latency, hf_timing, median_rounds, select_per_category, spec_configs
+from specserve.bench.latency_report import (
     DEFAULT_NUM_SPECULATIVE_TOKENS, HF_PLAIN, HF_PROMPT_LOOKUP, PLAIN, RequestTiming, acceptance_by_position,
-    build_report, check_args, cmd_latency, format_report, geometric_mean, hf_timing, median_rounds,
-    select_per_category, spec_configs, summarize, summarize_methods)
+    build_report, format_report, geometric_mean, summarize, summarize_methods)
 
 
 def _parse(extra: list[str]):

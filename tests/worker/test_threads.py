@@ -44,10 +44,28 @@ def test_new_sizes_borrow_a_clear_verdict_of_their_kind():
         picks.append(policy.choose(6))
         policy.record(6, picks[-1], 0.05)
     assert picks[:-1] == [2] * (EXPLORE_EVERY - 1) and picks[-1] == 1  # measured at step EXPLORE_EVERY
-    picks = [policy.choose(500) for _ in range(3)]
+    picks = [policy.choose(200) for _ in range(3)]
     assert picks == [2, 2, 2]  # nothing recorded: the prefill bucket keeps asking for its first measurement
-    policy.record(500, 2, 1.0)
-    assert policy.choose(500) == 1
+    policy.record(200, 2, 1.0)
+    assert policy.choose(200) == 1
+
+
+def test_long_steps_never_run_the_other_choice_to_measure_it():
+    """A long prefill runs all threads until a short step of its bucket has measured one thread, then the
+    faster of the two; the short steps keep the exploring schedule to themselves."""
+    policy = ThreadPolicy(max_threads=2)
+    for _ in range(5):
+        assert policy.choose(2000) == 2
+        policy.record(2000, 2, 0.5)
+    assert policy.choose(100) == 1  # a short prefill measures one thread
+    policy.record(100, 1, 0.100)  # 1 ms a token against 0.25: two threads stay
+    assert policy.choose(2000) == 2
+    policy = ThreadPolicy(max_threads=2)
+    for threads, seconds in ((2, 0.2), (1, 0.05)):  # a host where one thread is much faster
+        assert policy.choose(100) == threads
+        policy.record(100, threads, seconds)
+    policy.record(2000, 2, 5.0)
+    assert [policy.choose(2000) for _ in range(EXPLORE_EVERY + 1)] == [1] * (EXPLORE_EVERY + 1)
 
 
 def test_run_restores_the_thread_count():
@@ -82,13 +100,13 @@ def test_exploring_backs_off_while_the_other_choice_stays_much_slower_and_resets
 
 
 def test_a_clear_prefill_verdict_is_not_re_measured_early():
-    """A 1000-token prefill on the slower choice costs ~0.5 s here: once one thread measured clearly slower,
+    """A 200-token prefill on the slower choice costs ~0.1 s here: once one thread measured clearly slower,
     prefills stay on all threads until EXPLORE_EVERY (a decode size would re-check at its step 4)."""
     policy = ThreadPolicy(max_threads=2)
     picks = []
     for _ in range(EXPLORE_EVERY):
-        picks.append(policy.choose(1000))
-        policy.record(1000, picks[-1], 1.3 if picks[-1] == 1 else 0.75)
+        picks.append(policy.choose(200))
+        policy.record(200, picks[-1], 0.26 if picks[-1] == 1 else 0.15)
     assert picks[:3] == [2, 1, 2] and picks[3:-1] == [2] * (EXPLORE_EVERY - 4) and picks[-1] == 1
 
 

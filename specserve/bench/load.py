@@ -96,7 +96,8 @@ def add_parser(bench_sub) -> None:
                     "have run, as N clients that each send their next request when the last is answered. Reports total "
                     f"output tok/s, its ratio to plain, TTFT and inter-token latency p50/p99, a token's ITL being "
                     f"{ITL_DEFINITION}. Each N takes the next N prompts of a spread over the categories, so no "
-                    "engine sees a prompt twice (a method that caches earlier outputs would copy them). Exits with "
+                    "engine sees a prompt twice (a method that caches earlier outputs would copy them); before a level "
+                    "is timed, every engine runs a short warm-up prompt N at a time. Exits with "
                     "status 1 when a speculative output differs from plain decoding's. Redraw the PNG from the "
                     "JSON with: specserve bench load --replot JSON --plot OUT.png")
     p.add_argument("--dataset", default=DEFAULT_DATASET, help="Spec-Bench JSONL (default: %(default)s)")
@@ -121,7 +122,8 @@ def add_parser(bench_sub) -> None:
                    help="rounds, each on freshly loaded engines with the methods in a rotated order; each "
                         "(method, N) reports its median-tok/s round, and its ratio to plain is the median "
                         "over rounds of its tok/s over the mean of the plain runs right before and after it "
-                        "(plain runs between the methods at every level) (default: %(default)s)")
+                        "(plain runs between the methods at every level); 'plain / plain' is the same ratio for the "
+                        "plain runs between methods, the level's noise floor (default: %(default)s)")
     p.add_argument("--output-json", default=DEFAULT_OUTPUT, help="where to write results (default: %(default)s)")
     p.add_argument("--plot", default=DEFAULT_PLOT,
                    help="PNG to draw, '' for none; needs matplotlib, specserve[bench] (default: %(default)s)")
@@ -213,10 +215,10 @@ def run_rounds(args: argparse.Namespace, configs: dict[str, dict], levels: list[
         if r == 0:
             by_level = prompts_by_level(engines[PLAIN].get_tokenizer(), rows, levels, args.requests_per_slot,
                                         args.min_requests)
-        warm_up(engines)
         spec = methods[1:]
         order = spec[r % len(spec):] + spec[:r % len(spec)] if spec else []
         for n in levels:
+            warm_up(engines, n)
             for position, method in enumerate(interleaved(order)):
                 runs.append(run_batch(engines[method], method, by_level[n], args.max_tokens, f"{r}-{n}", r, n))
                 runs[-1].position = position
@@ -248,11 +250,13 @@ def load_engine(args: argparse.Namespace, method: str, spec_config: dict | None,
     return llm
 
 
-def warm_up(engines: dict) -> None:
-    """One short request per engine, on a prompt that is not a Spec-Bench question (nothing for caches)."""
+def warm_up(engines: dict, concurrency: int = 1) -> None:
+    """Short requests, `concurrency` at once, through every engine before a level's measured runs, on a prompt
+    that is not a Spec-Bench question (nothing for caches): each engine meets the level's step sizes before
+    it is timed (new buffers, its thread choices), as plain decoding's later runs of the level have."""
     warmup = render_prompts(engines[PLAIN].get_tokenizer(), [{"category": "warmup", "turns": [WARMUP_MESSAGE]}])
     for method, llm in engines.items():
-        run_batch(llm, method, warmup, WARMUP_TOKENS, "warmup")
+        run_batch(llm, method, warmup * concurrency, WARMUP_TOKENS, "warmup")
 
 
 def prompts_by_level(tokenizer, rows: list[dict], levels: list[int], per_slot: int = 1, min_requests: int = 1

@@ -286,3 +286,16 @@ def test_run_batch_keeps_n_requests_in_flight_until_all_are_done():
     run = run_batch(SimpleNamespace(llm_engine=engine), "plain", prompts, 3, "t", concurrency=2)
     assert engine.peak == 2 and run.num_steps == 9  # three rounds of two
     assert all(len(t.token_ids) == 3 for t in run.traces) and run.concurrency == 2
+
+
+def test_each_level_warms_every_engine_at_its_concurrency(monkeypatch):
+    """Before a level is timed every engine runs the warm-up prompt N at a time (not a Spec-Bench question)."""
+    from specserve.bench import load
+
+    calls = []
+    monkeypatch.setattr(load, "render_prompts", lambda tokenizer, rows: [rows[0]["turns"][0]])
+    monkeypatch.setattr(load, "run_batch", lambda llm, method, prompts, max_tokens, tag: calls.append(
+        (method, len(prompts), set(prompts), tag)))
+    engines = {PLAIN: type("Fake", (), {"get_tokenizer": lambda self: None})(), "ngram": None}
+    load.warm_up(engines, 8)
+    assert calls == [(PLAIN, 8, {load.WARMUP_MESSAGE}, "warmup"), ("ngram", 8, {load.WARMUP_MESSAGE}, "warmup")]

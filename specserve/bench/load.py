@@ -46,6 +46,7 @@ class RequestTrace:
     num_drafts: int = 0
     num_accepted_tokens: int = 0
     added: float = 0.0  # perf_counter when the request was added
+    num_draft_tokens: int = 0
 
     def observe(self, now: float, output) -> None:
         """Record a step's RequestOutput (its token_ids are the whole output so far)."""
@@ -54,7 +55,9 @@ class RequestTrace:
             self.times.append(now)
             self.counts.append(len(token_ids) - len(self.token_ids))
             self.token_ids = list(token_ids)
-        self.num_drafts, self.num_accepted_tokens = output.metrics.num_drafts, output.metrics.num_accepted_tokens
+        metrics = output.metrics
+        self.num_drafts, self.num_accepted_tokens = metrics.num_drafts, metrics.num_accepted_tokens
+        self.num_draft_tokens = metrics.num_draft_tokens
 
 
 @dataclass
@@ -341,7 +344,9 @@ def summarize_run(run: BatchRun) -> dict:
             "itl_p50_ms": 1000 * percentile(itl, 50), "itl_p99_ms": 1000 * percentile(itl, 99),
             "num_itl_samples": len(itl),
             "acceptance_length": 1 + sum(t.num_accepted_tokens for t in run.traces) / drafts if drafts else None,
-            "drafted_step_share": safe_div(drafts, decode_steps) if run.method != PLAIN else None}
+            "drafted_step_share": safe_div(drafts, decode_steps) if run.method != PLAIN else None,
+            "num_drafts": drafts, "num_draft_tokens": sum(t.num_draft_tokens for t in run.traces),
+            "num_accepted_tokens": sum(t.num_accepted_tokens for t in run.traces)}
 
 
 def median_rows(runs: list[BatchRun]) -> list[dict]:
@@ -442,10 +447,12 @@ def build_report(args: argparse.Namespace, env: dict, configs: dict[str, dict],
                             "ttft": "first request added to the request's first token",
                             "acceptance_length": "1 + accepted / drafts, over all requests",
                             "drafted_step_share": "steps that verified a draft / steps after the first token",
+                            "num_draft_tokens": "draft tokens verified, over the run's requests",
                             "plain_vs_plain": "noise floor: plain runs between methods against the plain runs "
                                               "two places away, median over rounds per place"},
             "prompts": {n: prompts_summary(p) for n, p in prompts.items()}, "results": rows,
-            "ratio_table": ratio_table(rows, plain_vs_plain(runs)), "greedy_compared": sum(len(r.traces) for r in runs if r.method != PLAIN),
+            "ratio_table": ratio_table(rows, plain_vs_plain(runs)),
+            "greedy_compared": sum(len(r.traces) for r in runs if r.method != PLAIN),
             "greedy_mismatches": greedy_mismatches(runs)}
 
 
@@ -456,8 +463,8 @@ def format_report(report: dict) -> str:
     cell = {(r["concurrency"], r["method"]): r for r in rows}
     levels = report["concurrency"]
     floor = {t["concurrency"]: t.get("plain_vs_plain") for t in report["ratio_table"]}
-    throughput = [[n, cell[n, PLAIN]["tokens_per_s"], *[_ratio(cell[n, m]["vs_plain"]) for m in spec], _spread(floor[n])]
-                  for n in levels]
+    throughput = [[n, cell[n, PLAIN]["tokens_per_s"], *[_ratio(cell[n, m]["vs_plain"]) for m in spec],
+                   _spread(floor[n])] for n in levels]
     itl = [[n, *[f"{cell[n, m]['itl_p50_ms']:.1f} / {cell[n, m]['itl_p99_ms']:.1f}" for m in methods]] for n in levels]
     accept = [[n, *[_acceptance(cell[n, m]) for m in spec]] for n in levels]
     mismatches = report["greedy_mismatches"]

@@ -153,20 +153,33 @@ class ModelRunner:
         blocks = list(range(-(-(context + k + 1) // self.block_size)))
         self._timed_dummy_step(1, 1, context, blocks)  # first touches of buffers and caches: not kept
         single = {q: self._timed_dummy_step(1, q, context, blocks) for q in range(1, k + 2)}
-        batched = {n: (self._timed_dummy_step(n, 1, context, blocks), self._timed_dummy_step(n, 2, context, blocks))
-                   for n in CALIBRATION_BATCHES if n <= max_num_seqs}
+        batched = {n: self._timed_dummy_pair(n, context, blocks) for n in CALIBRATION_BATCHES if n <= max_num_seqs}
         self.draft_policy.seed_step_costs(single, batched)
 
-    def _timed_dummy_step(self, num_requests: int, num_tokens: int, context: int, blocks: list[int]) -> float:
-        """Median seconds of a decode step of num_requests requests, each adding num_tokens tokens after
-        `context` tokens of the same blocks (dummy token ids; their K/V lands in those blocks)."""
+    def _timed_dummy_pair(self, num_requests: int, context: int, blocks: list[int]) -> tuple[float, float]:
+        """Seconds of a step of num_requests requests adding one token each, and two each: timed in turns, the
+        second as the first plus the median of the differences between neighbouring turns, so a host that is
+        slowed for a while (another process) slows both sides of a difference."""
+        ones, extra = [], []
+        for _ in range(CALIBRATION_REPEATS):
+            one = self._timed_dummy_step(num_requests, 1, context, blocks, 1)
+            ones.append(one)
+            extra.append(self._timed_dummy_step(num_requests, 2, context, blocks, 1) - one)
+        one = statistics.median(ones)
+        return one, one + statistics.median(extra)
+
+    def _timed_dummy_step(self, num_requests: int, num_tokens: int, context: int, blocks: list[int],
+                          repeats: int = CALIBRATION_REPEATS) -> float:
+        """Median seconds of `repeats` decode steps (after an untimed one) of num_requests requests, each
+        adding num_tokens tokens after `context` tokens of the same blocks (dummy token ids; their K/V lands
+        in those blocks)."""
         rows = num_requests * num_tokens
         ids = torch.zeros(rows, dtype=torch.long)
         positions = self._layout_positions(torch.arange(context, context + num_tokens).repeat(num_requests))
         attn = paged_metadata([num_tokens] * num_requests, [context + num_tokens] * num_requests,
                               [blocks] * num_requests, self.block_size, self.attention_kernel)
         seconds = []
-        for _ in range(CALIBRATION_REPEATS + 1):
+        for _ in range(repeats + 1):
             start = time.perf_counter()
             with self.thread_policy.run(rows):
                 hidden, _ = self.model.forward(ids, positions, attn, self.kv_caches, None)

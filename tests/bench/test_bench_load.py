@@ -83,16 +83,16 @@ def test_percentile_interpolates_between_ranks():
     assert math.isnan(percentile([], 50))
 
 
-def _trace(times, counts, tokens=None, qid=0, drafts=0, accepted=0, added=10.0) -> RequestTrace:
+def _trace(times, counts, tokens=None, qid=0, drafts=0, accepted=0, added=10.0, draft_tokens=0) -> RequestTrace:
     tokens = list(range(sum(counts))) if tokens is None else tokens
     return RequestTrace(BenchPrompt(qid, "qa", "t", [1, 2]), list(times), list(counts), tokens, drafts, accepted,
-                        added)
+                        added, draft_tokens)
 
 
 def test_summarize_run():
     # two requests added at t=10.0; the second gets 3 tokens at 10.5 (2 after a 0.4 s gap: 0.2 s each)
-    run = BatchRun("ngram", 2, 0, 10.0, 4, [_trace([10.2, 10.3, 10.4], [1, 1, 1], drafts=1, accepted=0),
-                                            _trace([10.1, 10.5], [1, 2], drafts=1, accepted=1)])
+    run = BatchRun("ngram", 2, 0, 10.0, 4, [_trace([10.2, 10.3, 10.4], [1, 1, 1], drafts=1, accepted=0, draft_tokens=3),
+                                            _trace([10.1, 10.5], [1, 2], drafts=1, accepted=1, draft_tokens=2)])
     row = summarize_run(run)
     assert (row["wall_s"], row["num_output_tokens"]) == (pytest.approx(0.5), 6)
     assert row["tokens_per_s"] == pytest.approx(12.0)
@@ -100,6 +100,7 @@ def test_summarize_run():
     assert row["num_itl_samples"] == 4  # ITLs 0.1, 0.1, 0.2, 0.2 s
     assert (row["itl_p50_ms"], row["itl_p99_ms"]) == (pytest.approx(150.0), pytest.approx(200.0))
     assert row["acceptance_length"] == pytest.approx(1.5)  # 1 + 1 accepted / 2 drafts
+    assert (row["num_drafts"], row["num_draft_tokens"], row["num_accepted_tokens"]) == (2, 5, 1)
     assert row["drafted_step_share"] == pytest.approx(2 / 3)  # 2 drafted of 3 steps after a first token
     plain = summarize_run(BatchRun(PLAIN, 1, 0, 0.0, 2, [_trace([0.1, 0.2], [1, 1], added=0.0)]))
     assert plain["acceptance_length"] is None and plain["drafted_step_share"] is None
@@ -276,7 +277,8 @@ def test_run_batch_keeps_n_requests_in_flight_until_all_are_done():
                 done = len(tokens) == 3
                 outs.append(SimpleNamespace(request_id=rid, error=None, finished=done,
                                             outputs=[SimpleNamespace(token_ids=list(tokens))],
-                                            metrics=SimpleNamespace(num_drafts=0, num_accepted_tokens=0)))
+                                            metrics=SimpleNamespace(num_drafts=0, num_draft_tokens=0,
+                                                                    num_accepted_tokens=0)))
                 if done:
                     del self.running[rid]
             return outs

@@ -13,7 +13,8 @@ def memory_bound_calibration(monkeypatch):
     test models, whose steps are Python overhead: the drafters' tests see drafting pay from the first step
     on every machine. Live steps are still timed; tests that fix the costs replace those too."""
     monkeypatch.setattr(ModelRunner, "_timed_dummy_step",
-                        lambda self, num_requests, num_tokens, context, blocks: 0.02 + 0.0005 * num_requests * num_tokens)
+                        lambda self, num_requests, num_tokens, context, blocks, repeats=3:
+                        0.02 + 0.0005 * num_requests * num_tokens)
 
 
 @pytest.fixture(scope="module")

@@ -156,6 +156,20 @@ def test_calibrated_batches_price_a_draft_row_until_live_steps_make_a_fit():
     assert fit.draft_cost(16) == pytest.approx(0.0003 / ((0.004 + 0.0003 * 16) / 16))
 
 
+def test_a_calibrated_pair_timed_on_a_busy_moment_does_not_make_drafts_free():
+    """At four requests the one-token step was timed slow (9.46 ms against 9.62 for two tokens each): a draft
+    row's share of the step is taken as at least that at two requests, not 2%."""
+    from specserve.spec_decode.policy import LinearStepFit
+
+    fit = LinearStepFit()
+    fit.seed({2: (0.00695, 0.00937), 4: (0.00946, 0.00962), 8: (0.00994, 0.01634)})
+    share_at_2 = (0.00937 - 0.00695) / 0.00695
+    one, two = fit.calibrated[4]
+    assert one == 0.00946 and (two - one) / one == pytest.approx(share_at_2)
+    assert fit.draft_cost(4) == pytest.approx(share_at_2)  # a draft row against a request's share of the step
+    assert fit.calibrated[8] == (0.00994, 0.01634)  # larger than the floor: as timed
+
+
 def test_no_probing_when_a_draft_costs_a_whole_step_share():
     policy = DraftPolicy()
     for i in range(40):

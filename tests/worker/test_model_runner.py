@@ -26,8 +26,11 @@ def test_calibration_times_every_verification_size_and_the_batched_step_before_a
     assert all(v > 0 for v in policy.step_costs.seconds.values())
     # batches of 2, 4 and 8 requests (max_num_seqs 8), one and two tokens each: priced from the first step
     assert sorted(policy.batch_fit.calibrated) == [2, 4, 8] and policy.batch_fit.fit is None
-    # each a timed step (on a tiny model two tokens a request may time as fast as one: noise, not ordered)
-    assert all(one > 0 and two > 0 for one, two in policy.batch_fit.calibrated.values())
+    # a draft row's share of a step never smaller at more requests (on a tiny model two tokens a request may
+    # time as fast as one: the share is then that of fewer requests, or zero)
+    shares = [(two - one) / one for one, two in policy.batch_fit.calibrated.values()]
+    assert all(one > 0 for one, _ in policy.batch_fit.calibrated.values())
+    assert shares == sorted(shares) and shares[0] >= 0
     assert policy.batch_fit.draft_cost(4) is not None and policy.batch_fit.share(4) > 0
     assert policy.drafts_this_step(1)  # no plain steps needed to time a one-token step
 
@@ -36,7 +39,7 @@ def test_calibrated_costs_decide_the_draft_length(folder, monkeypatch):
     """Verification priced from the calibration, not the prior: with each extra token timed at a whole
     one-token step, a 60%-accepted request does not draft; at 3% of a step it drafts the most it may."""
     def fake_step(seconds_per_extra_token):
-        def timed(self, num_requests, num_tokens, context, blocks):
+        def timed(self, num_requests, num_tokens, context, blocks, repeats=3):
             return 0.01 * (1 + seconds_per_extra_token * (num_requests * num_tokens - 1))
         return timed
 

@@ -3,7 +3,8 @@ plain decoding against each speculative method, on the same Spec-Bench prompts i
 
 At every level plain decoding runs before, between and after the methods, and a method's ratio to plain is
 taken against the plain runs beside it; plain runs taken the same way against plain give the level's noise
-floor (`plain_vs_plain`). Times are taken after each engine step. Wall time: first request
+floor (`plain_vs_plain`). With --lockstep every method's batch of a level runs at once instead, the engines
+taking turns a step each, each timed by its own steps (`run_lockstep`). Times are taken after each engine step. Wall time: first request
 added to last token delivered. TTFT: first request added to a request's first token. ITL is per token
 (ITL_DEFINITION); p50/p99 are over every token.
 """
@@ -127,6 +128,10 @@ def add_parser(bench_sub) -> None:
                         "over rounds of its tok/s over the mean of the plain runs right before and after it "
                         "(plain runs between the methods at every level); 'plain / plain' is the same ratio for the "
                         "plain runs between methods, the level's noise floor (default: %(default)s)")
+    p.add_argument("--lockstep", action="store_true",
+                   help="run every method's batch of a level at once, the engines taking turns one step each, and "
+                        "time each engine by its own steps: a shared host's slow moments then fall on neighbouring "
+                        "steps of all engines alike (default: each method's batch alone, plain runs between)")
     p.add_argument("--output-json", default=DEFAULT_OUTPUT, help="where to write results (default: %(default)s)")
     p.add_argument("--plot", default=DEFAULT_PLOT,
                    help="PNG to draw, '' for none; needs matplotlib, specserve[bench] (default: %(default)s)")
@@ -222,6 +227,11 @@ def run_rounds(args: argparse.Namespace, configs: dict[str, dict], levels: list[
         order = spec[r % len(spec):] + spec[:r % len(spec)] if spec else []
         for n in levels:
             warm_up(engines, n)
+            if args.lockstep:
+                runs += run_lockstep(engines, [PLAIN, *order], by_level[n], args.max_tokens, f"{r}-{n}", r, n)
+                for run in runs[-len(methods):]:
+                    _log(f"round {r + 1}, {n} in flight, {run.method}: {run.tokens_per_s:.1f} tok/s (own steps)")
+                continue
             for position, method in enumerate(interleaved(order)):
                 runs.append(run_batch(engines[method], method, by_level[n], args.max_tokens, f"{r}-{n}", r, n))
                 runs[-1].position = position
@@ -284,37 +294,74 @@ def run_batch(llm, method: str, prompts: list[BenchPrompt], max_tokens: int, tag
               concurrency: int | None = None) -> BatchRun:
     """`concurrency` requests in flight (default: all at once); each that finishes is replaced by the next
     prompt; `step()` until none is left, timing each step's deliveries."""
-    from specserve.sampling_params import SamplingParams
+    batch = Batch(llm, method, prompts, max_tokens, tag, repeat, concurrency)
+    while batch.step():
+        pass
+    return batch.run
 
-    engine = llm.llm_engine
-    engine.kv_cache_manager.reset_prefix_cache()  # every run prefills its prompts in full
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    traces = {f"load-{tag}-{i}": RequestTrace(p) for i, p in enumerate(prompts)}
-    waiting = list(traces.items())[::-1]
 
-    def add_next() -> None:
-        request_id, trace = waiting.pop()
-        trace.added = time.perf_counter()
+def run_lockstep(engines: dict, methods: list[str], prompts: list[BenchPrompt], max_tokens: int, tag: str,
+                 repeat: int, concurrency: int) -> list[BatchRun]:
+    """Every method's batch at once, the engines taking turns one step each: each batch's times are on its
+    own clock (the seconds of its own steps and deliveries), so a host that slows for a moment slows
+    neighbouring steps of every engine instead of one engine's whole run."""
+    batches = [Batch(engines[m], m, prompts, max_tokens, f"{tag}-{m}", repeat, concurrency, own_clock=True)
+               for m in methods]
+    running = list(batches)
+    while running:
+        running = [b for b in running if b.step()]
+    return [b.run for b in batches]
+
+
+class Batch:
+    """One engine's run of a level, a step at a time: N requests in flight, each that finishes replaced by
+    the next prompt. Times are perf_counter readings, or with own_clock the seconds this batch's own steps
+    (with their bookkeeping) took so far."""
+
+    def __init__(self, llm, method: str, prompts: list[BenchPrompt], max_tokens: int, tag: str, repeat: int = 0,
+                 concurrency: int | None = None, own_clock: bool = False) -> None:
+        from specserve.sampling_params import SamplingParams
+
+        self.engine, self.method, self.own_clock, self.clock = llm.llm_engine, method, own_clock, 0.0
+        self.engine.kv_cache_manager.reset_prefix_cache()  # every run prefills its prompts in full
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.traces = {f"load-{tag}-{i}": RequestTrace(p) for i, p in enumerate(prompts)}
+        self.waiting = list(self.traces.items())[::-1]
+        self.run = BatchRun(method, concurrency or len(prompts), repeat, self._now(), 0, list(self.traces.values()))
+        for _ in range(min(concurrency or len(prompts), len(prompts))):
+            self._add_next()
+
+    def _now(self) -> float:
+        return self.clock if self.own_clock else time.perf_counter()
+
+    def _add_next(self) -> None:
+        request_id, trace = self.waiting.pop()
+        trace.added = self._now()
         try:
-            engine.add_request(request_id, {"prompt_token_ids": list(trace.prompt.token_ids)}, params)
+            self.engine.add_request(request_id, {"prompt_token_ids": list(trace.prompt.token_ids)}, self.params)
         except ValueError as e:
-            raise ValueError(f"{method}: question {trace.prompt.question_id} cannot run: {e}") from e
+            raise ValueError(f"{self.method}: question {trace.prompt.question_id} cannot run: {e}") from e
 
-    start = time.perf_counter()
-    for _ in range(min(concurrency or len(prompts), len(prompts))):
-        add_next()
-    num_steps = 0
-    while engine.has_unfinished_requests():
-        outputs, num_steps = engine.step(), num_steps + 1
-        now = time.perf_counter()
+    def step(self) -> bool:
+        """One engine step and its deliveries; False once every request is done."""
+        if not self.engine.has_unfinished_requests():
+            return False
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        self.run.num_steps += 1
+        self.clock += time.perf_counter() - start
+        now, finished = self._now(), 0
         for out in outputs:
             if out.error:
-                raise RuntimeError(f"{method}: request {out.request_id} (question "
-                                   f"{traces[out.request_id].prompt.question_id}) failed: {out.error}")
-            traces[out.request_id].observe(now, out)
-            if out.finished and waiting:
-                add_next()
-    return BatchRun(method, concurrency or len(prompts), repeat, start, num_steps, list(traces.values()))
+                raise RuntimeError(f"{self.method}: request {out.request_id} (question "
+                                   f"{self.traces[out.request_id].prompt.question_id}) failed: {out.error}")
+            self.traces[out.request_id].observe(now, out)
+            finished += out.finished
+        start = time.perf_counter()
+        for _ in range(min(finished, len(self.waiting))):
+            self._add_next()
+        self.clock += time.perf_counter() - start
+        return True
 
 
 # ---------------------------------------------------------------- report

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -252,36 +253,40 @@ def test_end_to_end_on_the_default_model(tmp_path, capsys):
     assert "ngram / plain" in out and "greedy check: 16/16" in out
 
 
+class FakeEngine:
+    """Each request gets one token a step, three in all; a step moves `clock` (if given) on by step_seconds."""
+
+    def __init__(self, clock: list[float] | None = None, step_seconds: float = 0.0):
+        self.running, self.peak, self.kv_cache_manager = {}, 0, SimpleNamespace(reset_prefix_cache=lambda: None)
+        self.clock, self.step_seconds = clock, step_seconds
+
+    def add_request(self, request_id, prompt, params):
+        self.running[request_id] = []
+        self.peak = max(self.peak, len(self.running))
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        if self.clock is not None:
+            self.clock[0] += self.step_seconds
+        outs = []
+        for rid, tokens in list(self.running.items()):
+            tokens.append(7)
+            done = len(tokens) == 3
+            outs.append(SimpleNamespace(request_id=rid, error=None, finished=done,
+                                        outputs=[SimpleNamespace(token_ids=list(tokens))],
+                                        metrics=SimpleNamespace(num_drafts=0, num_draft_tokens=0,
+                                                                num_accepted_tokens=0)))
+            if done:
+                del self.running[rid]
+        return outs
+
+
 def test_run_batch_keeps_n_requests_in_flight_until_all_are_done():
     """A fake engine that gives each request one token a step for three steps: with 6 prompts at
     concurrency 2, never more than 2 run at once, and a finished one is replaced right away."""
-    from types import SimpleNamespace
-
     from specserve.bench.load import run_batch
-
-    class FakeEngine:
-        def __init__(self):
-            self.running, self.peak, self.kv_cache_manager = {}, 0, SimpleNamespace(reset_prefix_cache=lambda: None)
-
-        def add_request(self, request_id, prompt, params):
-            self.running[request_id] = []
-            self.peak = max(self.peak, len(self.running))
-
-        def has_unfinished_requests(self):
-            return bool(self.running)
-
-        def step(self):
-            outs = []
-            for rid, tokens in list(self.running.items()):
-                tokens.append(7)
-                done = len(tokens) == 3
-                outs.append(SimpleNamespace(request_id=rid, error=None, finished=done,
-                                            outputs=[SimpleNamespace(token_ids=list(tokens))],
-                                            metrics=SimpleNamespace(num_drafts=0, num_draft_tokens=0,
-                                                                    num_accepted_tokens=0)))
-                if done:
-                    del self.running[rid]
-            return outs
 
     engine = FakeEngine()
     prompts = [BenchPrompt(i, "qa", "t", [1, 2]) for i in range(6)]
@@ -301,3 +306,34 @@ def test_each_level_warms_every_engine_at_its_concurrency(monkeypatch):
     engines = {PLAIN: type("Fake", (), {"get_tokenizer": lambda self: None})(), "ngram": None}
     load.warm_up(engines, 8)
     assert calls == [(PLAIN, 8, {load.WARMUP_MESSAGE}, "warmup"), ("ngram", 8, {load.WARMUP_MESSAGE}, "warmup")]
+
+
+def test_lockstep_times_each_engine_by_its_own_steps(monkeypatch):
+    """Two engines take turns a step each on one clock, one 10 ms a step and one 30 ms: each run's wall time
+    is its own six steps (three per request, one at a time), not the 240 ms the clock moved in all."""
+    from specserve.bench import load
+
+    clock = [0.0]
+    monkeypatch.setattr(load.time, "perf_counter", lambda: clock[0])
+    engines = {PLAIN: SimpleNamespace(llm_engine=FakeEngine(clock, 0.010)),
+               "ngram": SimpleNamespace(llm_engine=FakeEngine(clock, 0.030))}
+    prompts = [BenchPrompt(i, "qa", "t", [1, 2]) for i in range(2)]
+    plain, ngram = load.run_lockstep(engines, [PLAIN, "ngram"], prompts, 3, "t", 0, 1)
+    assert clock[0] == pytest.approx(0.24)
+    assert (plain.wall_s, ngram.wall_s) == (pytest.approx(0.06), pytest.approx(0.18))
+    assert (plain.num_steps, ngram.num_steps) == (6, 6) and plain.traces[1].added == pytest.approx(0.03)
+    assert median_rows([plain, ngram])[1]["vs_plain"] == pytest.approx(1 / 3)
+
+
+def test_lockstep_end_to_end_on_the_default_model(tmp_path, capsys):
+    out_json = tmp_path / "load.json"
+    code = main(["bench", "load", "--dataset", DATASET, "--concurrency", "2", "--methods", "ngram,suffix",
+                 "--min-requests", "1", "--max-tokens", "8", "--lockstep", "--output-json", str(out_json),
+                 "--plot", ""])
+    assert code == 0  # every speculative output equals plain decoding's
+    report = json.loads(out_json.read_text())
+    rows = {(r["method"], r["concurrency"]): r for r in report["results"]}
+    assert set(rows) == {(m, 2) for m in (PLAIN, "ngram", "suffix")}
+    assert all(r["tokens_per_s"] > 0 and r["num_output_tokens"] == 8 * 2 * 2 for r in rows.values())
+    assert (report["greedy_mismatches"], report["greedy_compared"], report["settings"]["lockstep"]) == ([], 8, True)
+    assert "(own steps)" in capsys.readouterr().err

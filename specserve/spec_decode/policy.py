@@ -111,6 +111,11 @@ def best_num_drafts_for(rate: float, max_k: int, cost) -> int:
     return best_in_table(rate, [cost(k) for k in range(max_k + 1)], max_k)
 
 
+def max_tokens_per_cost(costs: Sequence[float], max_k: int) -> float:
+    """The best tokens per unit of costs[k] over k in [1, max_k] if every draft were accepted (k + 1 tokens)."""
+    return max(((k + 1) / costs[k] for k in range(1, max_k + 1)), default=0.0)
+
+
 def best_in_table(rate: float, costs: Sequence[float], max_k: int) -> int:
     """argmax over k in [0, max_k] of expected tokens per unit of costs[k]; the first on ties."""
     best_k, best, tokens, term = 0, 1.0 / costs[0], 1.0, 1.0
@@ -298,7 +303,7 @@ class DraftPolicy:
         self.step_index = 0
         # per option, cost(k) for k = 0..max_drafts: the same for every request of a step, so computed once
         # per (seeded, requests running, measurements seen)
-        self._tables: tuple[tuple, list[list[float]]] | None = None
+        self._tables: tuple[tuple, list[list[float]], bool] | None = None
         self._measured = 0  # measurements seen
 
     # ---- measurements --------------------------------------------------------------------
@@ -360,10 +365,12 @@ class DraftPolicy:
         caps = [min(o.max_drafts, max_k) for o in self.options]
         if not self.adaptive:
             return [(i, k) for i, k in enumerate(caps) if k > 0]
-        stats = self._request_stats(req_id, seeded)
         tables = self._cost_tables(seeded)
+        if not self._tables[2]:
+            return []  # not even drafts that are always accepted would repay their cost (nor would a probe)
+        least = self._least_gain(seeded)
+        stats = self._request_stats(req_id, seeded)
         scored = []
-        least = 1.0 if seeded or self.num_running <= 1 else BATCH_MIN_GAIN
         for i, cap in enumerate(caps):
             if cap <= 0:
                 continue
@@ -384,6 +391,11 @@ class DraftPolicy:
             self.idle_steps[req_id] = 0
             return [(i, k) for _, i, k in scored]
         return self._probe(req_id, caps, tables)
+
+    def _least_gain(self, seeded: bool) -> float:
+        """Expected tokens per unit of cost a draft must promise: more than plain decoding, with a margin
+        when several requests share the step."""
+        return 1.0 if seeded or self.num_running <= 1 else BATCH_MIN_GAIN
 
     def num_drafts(self, req_id: str, max_k: int, seeded: bool = False) -> int:
         """The draft length of a one-option policy (0: decode plainly this step)."""
@@ -431,7 +443,8 @@ class DraftPolicy:
         return seconds / plain_seconds
 
     def _cost_tables(self, seeded: bool) -> list[list[float]]:
-        """Per option, cost(k) for k = 0..its max_drafts (drafting and verifying k tokens, in plain steps)."""
+        """Per option, cost(k) for k = 0..its max_drafts (drafting and verifying k tokens, in plain steps);
+        with them, whether any option would pay if all its drafts were accepted."""
         key = (seeded, self.num_running, self._measured)
         if self._tables is None or self._tables[0] != key:
             verify = (lambda k: 1.0 + self.cost_per_draft * k) if seeded else self._verify_cost()
@@ -439,7 +452,8 @@ class DraftPolicy:
             for i, option in enumerate(self.options):
                 cost = self._option_cost(i, verify, seeded)
                 tables.append([cost(k) for k in range(option.max_drafts + 1)])
-            self._tables = (key, tables)
+            least = self._least_gain(seeded)
+            self._tables = (key, tables, any(max_tokens_per_cost(t, len(t) - 1) >= least for t in tables))
         return self._tables[1]
 
     def _verify_cost(self) -> Callable[[int], float]:

@@ -1,6 +1,6 @@
 import pytest
 
-from specserve.spec_decode.policy import (PROBE_EVERY, DraftPolicy, best_num_drafts, expected_tokens,
+from specserve.spec_decode.policy import (PROBE_EVERY, DraftOption, DraftPolicy, best_num_drafts, expected_tokens,
                                           probe_interval)
 
 
@@ -265,3 +265,14 @@ def test_step_costs_resist_a_slowed_step_and_never_price_more_drafts_below_fewer
     for _ in range(60):  # a host that stays slower is followed
         costs.observe(1, 1.5)
     assert abs(costs.seconds[1] - 1.5) < 0.01
+
+
+def test_no_planning_while_not_even_always_accepted_drafts_would_pay():
+    """A drafter that costs more than a step per draft token (an int8 self-draft of a 4-bit target): no
+    request gets a plan, a probe or per-request state; beside a lookup that is almost free, the lookup is
+    still planned."""
+    dear = DraftOption("draft_model", 4, prior_drafting_cost=1.2)
+    policy = DraftPolicy((dear,))
+    assert all(policy.plan("r", 4) == [] for _ in range(200)) and "r" not in policy.stats
+    both = DraftPolicy((DraftOption("ngram", 4), dear))
+    assert both.plan("r", 4)[0][0] == 0

@@ -147,8 +147,10 @@ def test_streams_a_reply_with_speculated_tokens_marked(page, server):
     assert seen_streaming_text, "no text appeared before the reply finished"
     assert not shot or taken, "the reply finished before a screenshot with accepted drafts could be taken"
 
-    accepted = page.find_elements(By.CSS_SELECTOR, ".message.assistant .tok-accepted")
-    assert accepted and all(a.get_attribute("data-drafter") for a in accepted)
+    # read in one script: the page may re-render the reply's spans between two WebDriver calls
+    drafters = page.execute_script(
+        "return [...document.querySelectorAll('.message.assistant .tok-accepted')].map(e => e.dataset.drafter)")
+    assert drafters and all(drafters)
     assert int(find(page, "#count-accepted").text) > 0
     assert float(find(page, "#reply-mal").text) > 1.0
     assert find(page, "#reply-tps").text.endswith("tok/s")

@@ -365,8 +365,8 @@ class DraftPolicy:
         caps = [min(o.max_drafts, max_k) for o in self.options]
         if not self.adaptive:
             return [(i, k) for i, k in enumerate(caps) if k > 0]
-        tables = self._cost_tables(seeded)
-        if not self._tables[2]:
+        tables, any_pays = self._cost_tables(seeded)
+        if not any_pays:
             return []  # not even drafts that are always accepted would repay their cost (nor would a probe)
         least = self._least_gain(seeded)
         stats = self._request_stats(req_id, seeded)
@@ -442,7 +442,7 @@ class DraftPolicy:
             return self.options[option].prior_drafting_cost
         return seconds / plain_seconds
 
-    def _cost_tables(self, seeded: bool) -> list[list[float]]:
+    def _cost_tables(self, seeded: bool) -> tuple[list[list[float]], bool]:
         """Per option, cost(k) for k = 0..its max_drafts (drafting and verifying k tokens, in plain steps);
         with them, whether any option would pay if all its drafts were accepted."""
         key = (seeded, self.num_running, self._measured)
@@ -454,7 +454,7 @@ class DraftPolicy:
                 tables.append([cost(k) for k in range(option.max_drafts + 1)])
             least = self._least_gain(seeded)
             self._tables = (key, tables, any(max_tokens_per_cost(t, len(t) - 1) >= least for t in tables))
-        return self._tables[1]
+        return self._tables[1], self._tables[2]
 
     def _verify_cost(self) -> Callable[[int], float]:
         """cost(k) of verifying k drafts for one request of the current step, in plain steps, measured

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specserve.bench.load import PLAIN
+from specserve.bench.load_report import PLAIN
 
 
 def plot_load(report: dict, path: str | Path) -> Path:

@@ -159,7 +159,15 @@ class StepCosts:
     def relative(self, k: int) -> float:
         """cost of verifying k drafts, in one-token steps: never less than verifying fewer (sizes are timed
         apart, so noise can put a larger step below a smaller one)."""
-        return max((self._ratio(j) for j in range(k + 1)), default=1.0)
+        return self.table(k)[k]
+
+    def table(self, max_k: int) -> list[float]:
+        """relative(k) for k = 0..max_k, in one pass."""
+        costs, top = [], 1.0
+        for k in range(max_k + 1):
+            top = max(top, self._ratio(k))
+            costs.append(top)
+        return costs
 
     def _ratio(self, k: int) -> float:
         if k == 0:
@@ -460,7 +468,7 @@ class DraftPolicy:
         """cost(k) of verifying k drafts for one request of the current step, in plain steps, measured
         where possible."""
         if self.num_running <= 1:
-            return self.step_costs.relative
+            return self.step_costs.table(max(o.max_drafts for o in self.options)).__getitem__
         per_draft = self.batch_fit.draft_cost(self.num_running)
         if per_draft is None:  # before a fit: a token's share of a one-request step, scaled to this batch
             row = self.step_costs.relative(1) - 1.0  # seconds of a row over a one-token step's (its fixed part)

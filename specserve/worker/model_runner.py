@@ -5,14 +5,13 @@ execute_model prepares inputs, runs the target, samples (or verifies drafts) and
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from specserve.models.qwen2_vl import MRopePositions
-from specserve.ops.attention import AttentionMetadata, build_attention_metadata, kv_caches, paged_metadata, slot_ids
+from specserve.ops.attention import AttentionMetadata, build_attention_metadata, kv_caches, slot_ids
 from specserve.ops.kernels import kernel_usable
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_targets
@@ -23,16 +22,9 @@ from specserve.spec_decode.policy import DraftOption, DraftPolicy
 from specserve.spec_decode.proposer import (DraftInputs, DrafterNeeds, KVCacheSpec, Proposer, TargetInfo,
                                             TargetStates, make_proposer)
 from specserve.types import SchedulerOutput, max_draft_tokens
+from specserve.worker.calibration import StepCalibrator
 from specserve.worker.structured import GrammarRequests
 from specserve.worker.threads import ThreadPolicy
-
-
-# Step-cost calibration before the first request (ModelRunner.calibrate_step_costs): a dummy context of this
-# many tokens, each step size timed this many times after one untimed run (its median is kept), and the
-# batch sizes timed with one and two tokens per request for the batched price (those up to max_num_seqs).
-CALIBRATION_CONTEXT = 256
-CALIBRATION_REPEATS = 3
-CALIBRATION_BATCHES = (2, 4, 8, 16, 32, 64)
 
 
 def positions_at(positions: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
@@ -136,56 +128,11 @@ class ModelRunner:
         self.grammars = GrammarRequests()
         self.forced_drafts: set[str] = set()  # requests whose drafts awaiting verification the grammar forced
 
-    @torch.inference_mode()
     def calibrate_step_costs(self, num_blocks: int, max_num_seqs: int) -> None:
-        """Times the target's decode and verification steps on a dummy context before the first request, so
-        the draft policy prices drafts from this machine's step costs from the first step instead of a prior:
-        one request verifying 0..k drafts, and batches of requests adding one and two tokens each. Its KV goes
-        to blocks no request holds yet (called before any request; every request writes its KV before reading
-        it)."""
-        if self.proposer is None or not self.draft_policy.adaptive:
-            return
-        k = max(o.max_drafts for o in self.draft_policy.options)
-        context = min(CALIBRATION_CONTEXT, self.max_model_len - k - 1,
-                      num_blocks * self.block_size - k - 1)
-        if context < 1:
-            return
-        blocks = list(range(-(-(context + k + 1) // self.block_size)))
-        self._timed_dummy_step(1, 1, context, blocks)  # first touches of buffers and caches: not kept
-        single = {q: self._timed_dummy_step(1, q, context, blocks) for q in range(1, k + 2)}
-        batched = {n: self._timed_dummy_pair(n, context, blocks) for n in CALIBRATION_BATCHES if n <= max_num_seqs}
-        self.draft_policy.seed_step_costs(single, batched)
-
-    def _timed_dummy_pair(self, num_requests: int, context: int, blocks: list[int]) -> tuple[float, float]:
-        """Seconds of a step of num_requests requests adding one token each, and two each: timed in turns, the
-        second as the first plus the median of the differences between neighbouring turns, so a host that is
-        slowed for a while (another process) slows both sides of a difference."""
-        ones, extra = [], []
-        for _ in range(CALIBRATION_REPEATS):
-            one = self._timed_dummy_step(num_requests, 1, context, blocks, 1)
-            ones.append(one)
-            extra.append(self._timed_dummy_step(num_requests, 2, context, blocks, 1) - one)
-        one = statistics.median(ones)
-        return one, one + statistics.median(extra)
-
-    def _timed_dummy_step(self, num_requests: int, num_tokens: int, context: int, blocks: list[int],
-                          repeats: int = CALIBRATION_REPEATS) -> float:
-        """Median seconds of `repeats` decode steps (after an untimed one) of num_requests requests, each
-        adding num_tokens tokens after `context` tokens of the same blocks (dummy token ids; their K/V lands
-        in those blocks)."""
-        rows = num_requests * num_tokens
-        ids = torch.zeros(rows, dtype=torch.long)
-        positions = self._layout_positions(torch.arange(context, context + num_tokens).repeat(num_requests))
-        attn = paged_metadata([num_tokens] * num_requests, [context + num_tokens] * num_requests,
-                              [blocks] * num_requests, self.block_size, self.attention_kernel)
-        seconds = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            with self.thread_policy.run(rows):
-                hidden, _ = self.model.forward(ids, positions, attn, self.kv_caches, None)
-                self.model.greedy_tokens(hidden)
-            seconds.append(time.perf_counter() - start)
-        return statistics.median(seconds[1:])
+        """Times the target's steps on a dummy context before the first request (StepCalibrator), so the
+        draft policy prices drafts from this machine's step costs from the first step."""
+        if self.proposer is not None and self.draft_policy.adaptive:
+            StepCalibrator(self).run(num_blocks, max_num_seqs)
 
     @property
     def drafter_needs(self) -> DrafterNeeds | None:
@@ -309,7 +256,7 @@ class ModelRunner:
         return InputBatch(
             req_ids=list(sched.req_ids),
             input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=_with_image_positions(self._layout_positions(torch.tensor(positions, dtype=torch.long)),
+            positions=_with_image_positions(self.layout_positions(torch.tensor(positions, dtype=torch.long)),
                                             image_positions),
             mm_embeds=(torch.tensor(image_rows, dtype=torch.long), torch.cat(image_embeds)) if image_rows else None,
             attn=attn,
@@ -321,7 +268,7 @@ class ModelRunner:
             spec_decode_metadata=spec,
         )
 
-    def _layout_positions(self, index: torch.Tensor) -> torch.Tensor:
+    def layout_positions(self, index: torch.Tensor) -> torch.Tensor:
         """[N] absolute indices → the model's layout: [N], or [3, N] under M-RoPE (text: equal rows)."""
         return index.expand(3, -1) if self.uses_mrope else index
 
@@ -514,7 +461,7 @@ class ModelRunner:
             inputs.target_hidden_states = hidden[take]
             inputs.aux_hidden_states = [a[take] for a in aux] if aux is not None else None
             inputs.next_positions = _with_image_positions(
-                self._layout_positions(torch.tensor([len(s.token_ids) - 1 for s in states], dtype=torch.long)),
+                self.layout_positions(torch.tensor([len(s.token_ids) - 1 for s in states], dtype=torch.long)),
                 [(i, s.mrope.range(len(s.token_ids) - 1, len(s.token_ids))) for i, s in enumerate(states)
                  if s.mrope is not None])
         if needs.reads_target_kv:

@@ -10,11 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from specserve.bench.common import BenchPrompt, write_json
-from specserve.bench.load import (
-    PLAIN, BatchRun, RequestTrace, build_report, check_args, cmd_load, format_report, greedy_mismatches,
-    interleaved, itl_samples, median_rows, parse_concurrency, percentile, plain_vs_plain, prompts_by_level,
-    ratio_table, save_plot,
-    summarize_run)
+from specserve.bench.load import check_args, cmd_load, interleaved, parse_concurrency, prompts_by_level, save_plot
+from specserve.bench.load_report import (
+    PLAIN, BatchRun, RequestTrace, build_report, format_report, greedy_mismatches, itl_samples, median_rows,
+    percentile, plain_vs_plain, ratio_table, summarize_run)
 from specserve.bench.load_plot import plot_load
 from specserve.cli import build_parser, main
 

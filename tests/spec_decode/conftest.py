@@ -2,7 +2,7 @@
 every engine here starts from."""
 import pytest
 
-from specserve.worker.model_runner import ModelRunner
+from specserve.worker.calibration import StepCalibrator
 from tests.spec_decode.test_eagle_e2e import Target, llama_target, qwen_target
 
 
@@ -12,7 +12,7 @@ def memory_bound_calibration(monkeypatch):
     a draft costs ~2.5% of a step, as for a model whose weights dominate a step) instead of timing the tiny
     test models, whose steps are Python overhead: the drafters' tests see drafting pay from the first step
     on every machine. Live steps are still timed; tests that fix the costs replace those too."""
-    monkeypatch.setattr(ModelRunner, "_timed_dummy_step",
+    monkeypatch.setattr(StepCalibrator, "timed_step",
                         lambda self, num_requests, num_tokens, context, blocks, repeats=3:
                         0.02 + 0.0005 * num_requests * num_tokens)
 

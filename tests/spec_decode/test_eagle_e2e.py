@@ -111,7 +111,7 @@ def plain_target(hf, folder: str, layout: Layout, patch: Layout | None = None,
     prompts = prompts or mixed_prompts()
     plain = LLM(model=folder, **ENGINE)
     if patch is not None:
-        plain.llm_engine.runner._layout_positions = patch
+        plain.llm_engine.runner.layout_positions = patch
     return Target(hf, folder, layout, prompts, token_ids(plain.generate(prompts, PARAMS, use_tqdm=False)))
 
 
@@ -366,7 +366,7 @@ def run_drafter(target: Target, written: WrittenDrafter, patch: Layout | None = 
               **{**TIGHT, **engine})
     runner = llm.llm_engine.runner
     if patch is not None:
-        runner._layout_positions = patch
+        runner.layout_positions = patch
     if setup is not None:
         setup(llm)
     steps, execute, chunks = capture_drafts(llm, transform), runner.execute_model, []

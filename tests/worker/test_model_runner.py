@@ -7,7 +7,7 @@ import pytest
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.policy import StepCosts
-from specserve.worker import model_runner
+from specserve.worker.calibration import StepCalibrator
 from tests.tiny_models import save_hf_folder, tiny_hf_model
 
 ENGINE = dict(max_model_len=256, block_size=8, max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
@@ -44,18 +44,18 @@ def test_calibrated_costs_decide_the_draft_length(folder, monkeypatch):
         return timed
 
     spec = {"method": "ngram", "num_speculative_tokens": 4}
-    monkeypatch.setattr(model_runner.ModelRunner, "_timed_dummy_step", fake_step(1.0))
+    monkeypatch.setattr(StepCalibrator, "timed_step", fake_step(1.0))
     dear = LLM(model=folder, speculative_config=spec, **ENGINE).llm_engine.runner.draft_policy
     assert dear.step_costs.relative(2) == pytest.approx(3.0)
     assert dear.num_drafts("r", 4) == 0
-    monkeypatch.setattr(model_runner.ModelRunner, "_timed_dummy_step", fake_step(0.03))
+    monkeypatch.setattr(StepCalibrator, "timed_step", fake_step(0.03))
     cheap = LLM(model=folder, speculative_config=spec, **ENGINE).llm_engine.runner.draft_policy
     assert cheap.num_drafts("r", 4) == 4
 
 
 def test_no_calibration_without_adaptive_speculation(folder, monkeypatch):
     calls = []
-    monkeypatch.setattr(model_runner.ModelRunner, "_timed_dummy_step", lambda *a: calls.append(a) or 0.01)
+    monkeypatch.setattr(StepCalibrator, "timed_step", lambda *a: calls.append(a) or 0.01)
     LLM(model=folder, **ENGINE)
     LLM(model=folder, speculative_config={"method": "ngram", "adaptive_draft_length": False}, **ENGINE)
     assert calls == []

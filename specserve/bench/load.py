@@ -274,8 +274,12 @@ class Batch:
         self.traces = {f"load-{tag}-{i}": RequestTrace(p) for i, p in enumerate(prompts)}
         self.waiting = list(self.traces.items())[::-1]
         self.run = BatchRun(method, concurrency or len(prompts), repeat, self._now(), 0, list(self.traces.values()))
+        self.thread_runs = dict(self._threads().runs)
         for _ in range(min(concurrency or len(prompts), len(prompts))):
             self._add_next()
+
+    def _threads(self):
+        return self.engine.runner.thread_policy
 
     def _now(self) -> float:
         return self.clock if self.own_clock else time.perf_counter()
@@ -291,6 +295,8 @@ class Batch:
     def step(self) -> bool:
         """One engine step and its deliveries; False once every request is done."""
         if not self.engine.has_unfinished_requests():
+            runs = self._threads().runs
+            self.run.steps_by_threads = {t: n - self.thread_runs.get(t, 0) for t, n in sorted(runs.items())}
             return False
         start = time.perf_counter()
         outputs = self.engine.step()

@@ -52,6 +52,7 @@ class BatchRun:
     num_steps: int
     traces: list[RequestTrace]
     position: int | None = None  # order among the runs of its round and level (plain runs between methods)
+    steps_by_threads: dict[int, int] = field(default_factory=dict)  # the runner's steps by thread count
 
     @property
     def wall_s(self) -> float:
@@ -92,7 +93,8 @@ def summarize_run(run: BatchRun) -> dict:
             "acceptance_length": 1 + sum(t.num_accepted_tokens for t in run.traces) / drafts if drafts else None,
             "drafted_step_share": safe_div(drafts, decode_steps) if run.method != PLAIN else None,
             "num_drafts": drafts, "num_draft_tokens": sum(t.num_draft_tokens for t in run.traces),
-            "num_accepted_tokens": sum(t.num_accepted_tokens for t in run.traces)}
+            "num_accepted_tokens": sum(t.num_accepted_tokens for t in run.traces),
+            "steps_by_threads": {str(t): n for t, n in run.steps_by_threads.items()}}
 
 
 def median_rows(runs: list[BatchRun]) -> list[dict]:
@@ -109,7 +111,9 @@ def median_rows(runs: list[BatchRun]) -> list[dict]:
         row = summarize_run(ranked[(len(ranked) - 1) // 2])
         ratios = [1.0 if r.method == PLAIN else safe_div(r.tokens_per_s, _plain_beside(r, runs)) for r in group]
         rows.append({**row, "tokens_per_s_rounds": [r.tokens_per_s for r in group], "vs_plain_rounds": ratios,
-                     "vs_plain": _lower_median(ratios)})
+                     "vs_plain": _lower_median(ratios),
+                     "num_drafts_rounds": [sum(t.num_drafts for t in r.traces) for r in group],
+                     "steps_by_threads_rounds": [{str(t): n for t, n in r.steps_by_threads.items()} for r in group]})
     return rows
 
 
@@ -194,6 +198,8 @@ def build_report(args: argparse.Namespace, env: dict, configs: dict[str, dict],
                             "acceptance_length": "1 + accepted / drafts, over all requests",
                             "drafted_step_share": "steps that verified a draft / steps after the first token",
                             "num_draft_tokens": "draft tokens verified, over the run's requests",
+                            "steps_by_threads": "the target's forward passes in the run by thread count (the "
+                                                "runner's thread policy picks one or all threads per step size)",
                             "plain_vs_plain": "noise floor: plain runs between methods against the plain runs "
                                               "two places away, median over rounds per place"},
             "prompts": {n: prompts_summary(p) for n, p in prompts.items()}, "results": rows,

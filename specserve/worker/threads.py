@@ -56,6 +56,7 @@ class ThreadPolicy:
         self.interval: dict[int, int] = {}  # bucket -> steps between explorations, from step EXPLORE_EVERY on
         self.next_explore: dict[int, int] = {}
         self.exploring: set[int] = set()  # buckets whose current step runs the other choice
+        self.runs: dict[int, int] = {}  # steps run, by thread count
 
     def _bucket(self, num_tokens: int) -> int:
         return max(b for b in BUCKETS if num_tokens >= b)
@@ -129,6 +130,7 @@ class ThreadPolicy:
     def run(self, num_tokens: int):
         """Run a step with the chosen thread count, record its time, restore the thread count."""
         threads = self.choose(num_tokens)
+        self.runs[threads] = self.runs.get(threads, 0) + 1
         torch.set_num_threads(threads)
         start = time.perf_counter()
         try:

@@ -253,11 +253,13 @@ def test_end_to_end_on_the_default_model(tmp_path, capsys):
 
 
 class FakeEngine:
-    """Each request gets one token a step, three in all; a step moves `clock` (if given) on by step_seconds."""
+    """Each request gets one token a step, three in all; a step moves `clock` (if given) on by step_seconds and
+    counts as a two-thread forward pass."""
 
     def __init__(self, clock: list[float] | None = None, step_seconds: float = 0.0):
         self.running, self.peak, self.kv_cache_manager = {}, 0, SimpleNamespace(reset_prefix_cache=lambda: None)
         self.clock, self.step_seconds = clock, step_seconds
+        self.runner = SimpleNamespace(thread_policy=SimpleNamespace(runs={1: 5}))  # 5 before the run
 
     def add_request(self, request_id, prompt, params):
         self.running[request_id] = []
@@ -269,6 +271,8 @@ class FakeEngine:
     def step(self):
         if self.clock is not None:
             self.clock[0] += self.step_seconds
+        runs = self.runner.thread_policy.runs
+        runs[2] = runs.get(2, 0) + 1
         outs = []
         for rid, tokens in list(self.running.items()):
             tokens.append(7)
@@ -291,6 +295,8 @@ def test_run_batch_keeps_n_requests_in_flight_until_all_are_done():
     prompts = [BenchPrompt(i, "qa", "t", [1, 2]) for i in range(6)]
     run = run_batch(SimpleNamespace(llm_engine=engine), "plain", prompts, 3, "t", concurrency=2)
     assert engine.peak == 2 and run.num_steps == 9  # three rounds of two
+    assert run.steps_by_threads == {1: 0, 2: 9}  # the run's own forward passes, by thread count
+    assert summarize_run(run)["steps_by_threads"] == {"1": 0, "2": 9}
     assert all(len(t.token_ids) == 3 for t in run.traces) and run.concurrency == 2
 
 

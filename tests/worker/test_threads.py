@@ -71,9 +71,10 @@ def test_long_steps_never_run_the_other_choice_to_measure_it():
 def test_run_restores_the_thread_count():
     before = torch.get_num_threads()
     policy = ThreadPolicy()
-    with policy.run(3):
+    with policy.run(3) as threads:
         pass
     assert torch.get_num_threads() == before
+    assert policy.runs == {threads: 1}  # steps run, by thread count
 
 
 def test_exploring_backs_off_while_the_other_choice_stays_much_slower_and_resets_when_it_is_not():

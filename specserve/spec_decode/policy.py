@@ -195,14 +195,16 @@ class LinearStepFit:
         self.fixed_guess: float | None = None
         self.calibrated: dict[int, tuple[float, float]] = {}  # see seed()
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float) -> bool:
+        """Add a step; whether the price of a step moved (the fit, or the prior's fixed part while nothing
+        is calibrated: calibrated prices stay until a fit replaces them)."""
         x, y = float(num_tokens), seconds
         self.sums = [s * self.DECAY + v for s, v in zip(self.sums, (1.0, x, y, x * x, x * y))]
         fixed = y / (1.0 + self.row_cost * x)
         self.fixed_guess = fixed if self.fixed_guess is None else 0.8 * self.fixed_guess + 0.2 * fixed
         w, sx, sy, sxx, sxy = self.sums
         if w < self.MIN_WEIGHT:
-            return
+            return not self.calibrated
         mean_x, mean_y = sx / w, sy / w
         var_x = sxx / w - mean_x * mean_x
         if var_x >= self.MIN_SPREAD ** 2:
@@ -211,6 +213,7 @@ class LinearStepFit:
         elif self.fit is not None:  # the last slope, through the recent steps: a host that turns busy or quiet
             per_token = self.fit[1]  # moves the fixed part, and with it the price of a draft
             self.fit = (max(mean_y - per_token * mean_x, 0.0), per_token)
+        return self.fit is not None or not self.calibrated
 
     def seed(self, calibrated: dict[int, tuple[float, float]]) -> None:
         """Calibrated steps by number of requests N: (seconds of N requests adding one token each, and two
@@ -312,7 +315,7 @@ class DraftPolicy:
         # per option, cost(k) for k = 0..max_drafts: the same for every request of a step, so computed once
         # per (seeded, requests running, measurements seen)
         self._tables: tuple[tuple, list[list[float]], bool] | None = None
-        self._measured = 0  # measurements seen
+        self._measured = 0  # measurements seen that moved a price
 
     # ---- measurements --------------------------------------------------------------------
     def seed_step_costs(self, single: dict[int, float], batched: dict[int, tuple[float, float]]) -> None:
@@ -327,11 +330,11 @@ class DraftPolicy:
     def observe_step(self, num_requests: int, num_tokens: int, seconds: float) -> None:
         """The time of a decode or verification step (no prefill in it)."""
         self.num_running = num_requests
-        self._measured += 1
         if num_requests == 1:
             self.step_costs.observe(num_tokens, seconds)
-        else:
-            self.batch_fit.observe(num_tokens, seconds)
+            self._measured += 1
+        elif self.batch_fit.observe(num_tokens, seconds):
+            self._measured += 1
 
     def observe_drafting(self, num_draft_tokens: int, seconds: float, option: int = 0) -> None:
         """A proposer's time for the drafts of one step: free for prompt lookup, k forward passes of a

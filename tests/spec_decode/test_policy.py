@@ -150,9 +150,11 @@ def test_calibrated_batches_price_a_draft_row_until_live_steps_make_a_fit():
     assert fit.share(5) == pytest.approx(0.006 / 5)  # halfway between 2 and 8
     assert fit.share(16) == pytest.approx((0.008 + 0.0006 * 8) / 16)  # past 8: a draft row per request more
     assert fit.draft_cost(16) == pytest.approx(0.0006 / fit.share(16))
-    for i in range(30):
-        fit.observe(16 + i % 10, 0.004 + 0.0003 * (16 + i % 10))
-    assert fit.fit == (pytest.approx(0.004), pytest.approx(0.0003))
+    price = (fit.share(16), fit.draft_cost(16))
+    # steps alike in size: no fit, so the calibrated price holds and the policy need not reprice its tables
+    assert [fit.observe(16, 0.0088) for _ in range(20)] == [False] * 20 and (fit.share(16), fit.draft_cost(16)) == price
+    moved = [fit.observe(16 + i % 10, 0.004 + 0.0003 * (16 + i % 10)) for i in range(30)]
+    assert fit.fit == (pytest.approx(0.004), pytest.approx(0.0003)) and moved[-1]
     assert fit.draft_cost(16) == pytest.approx(0.0003 / ((0.004 + 0.0003 * 16) / 16))
 
 

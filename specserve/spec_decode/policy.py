@@ -313,7 +313,7 @@ class DraftPolicy:
         self.draft_seconds: list[float | None] = [None] * len(self.options)  # per option, per draft token
         self.step_index = 0
         # per option, cost(k) for k = 0..max_drafts: the same for every request of a step, so computed once
-        # per (seeded, requests running, measurements seen)
+        # per (seeded, requests running, measurements that moved a price)
         self._tables: tuple[tuple, list[list[float]], bool] | None = None
         self._measured = 0  # measurements seen that moved a price
 

@@ -18,6 +18,10 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
     p.add_argument("--gguf-dequantize", action="store_true",
                    help="dequantize a GGUF model's weights to fp32 at load (default: the kernels read the "
                         "file's quantized blocks, with the same results)")
+    p.add_argument("--gguf-compute", default="int8", choices=["int8", "fp32"],
+                   help="how GGUF 4-bit blocks are multiplied: activations as two int8 digits and integer dot "
+                        "products (default; cheaper verification), or fp32 activations (bitwise the dequantized "
+                        "model)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -74,6 +78,7 @@ def speculative_config(args) -> dict | None:
 def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, quantization=getattr(args, "quantization", None),
                 gguf_dequantize=getattr(args, "gguf_dequantize", False),
+                gguf_compute=getattr(args, "gguf_compute", "int8"),
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, speculative_config=speculative_config(args),

@@ -12,6 +12,7 @@ from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import RequestOutput
 from specserve.engine.request import Request, RequestStatus, SpecDecodeStats
 from specserve.engine.scheduler import Scheduler, SchedulerConfig
+from specserve.models.gguf_quant import int8_activation_weights
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
 from specserve.multimodal.processor import MultiModalProcessor
@@ -38,6 +39,8 @@ class LLMEngine:
         self.config = config
         torch.manual_seed(config.seed)
         loaded = load_model_weights(config.model, dtype=config.torch_dtype, keep_quantized=config.keep_gguf_blocks)
+        if config.keep_gguf_blocks and config.gguf_compute == "int8":
+            loaded.state_dict = int8_activation_weights(loaded.state_dict)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         if config.tensor_parallel_size > 1:  # rank 0's shard, its workers started (specserve/distributed)
             from specserve.distributed.model import start_tensor_parallel
@@ -59,7 +62,8 @@ class LLMEngine:
                                                         bytes_per_weight() if bytes_per_weight else None)
                             if config.speculative_config else None)
         self.runner = ModelRunner(self.model, config.block_size, set(self.eos_token_ids), self.max_model_len,
-                                  self.spec_config, config.linear_weight_dtype)
+                                  self.spec_config, config.linear_weight_dtype,
+                                  config.gguf_compute if config.keep_gguf_blocks else None)
         num_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.calibrate_step_costs(num_blocks, config.max_num_seqs)

@@ -8,6 +8,11 @@ output columns, per group, a[32] and b[32] then the group's q, 4 bits a value (Q
 Because a * q is exact, a * q + b rounds once, so the kernel's in-register values, `dequantize()` and the
 gguf package's dequantizer agree value for value (Q4_0's zero weights can differ in sign, which no sum
 sees). F16 weights keep their halves in the fp32 GEMM's block layout.
+
+`QuantizedWeight.for_int8_activations()` turns a 4-bit weight (groups of 32) into the layout of
+csrc/gemm_q4_i8.c, which writes each input row per group as two int8 digits (~15 bits) and takes integer dot
+products: the same bytes reordered, extra rows cheaper than on fp32 activations, at the cost of the
+activations' rounding (`EngineConfig.gguf_compute`).
 """
 from __future__ import annotations
 
@@ -22,8 +27,9 @@ from specserve.ops import kernels
 logger = logging.getLogger(__name__)
 
 BLOCK = kernels.GEMM_BLOCK  # output columns per packed block
-Q4, Q8, F16 = kernels.WEIGHT_Q4, kernels.WEIGHT_Q8, kernels.WEIGHT_F16
-_FORMAT_NAMES = {Q4: "q4", Q8: "q8", F16: "f16"}
+Q4, Q8, F16, Q4_I8 = kernels.WEIGHT_Q4, kernels.WEIGHT_Q8, kernels.WEIGHT_F16, kernels.WEIGHT_Q4_I8
+_FORMAT_NAMES = {Q4: "q4", Q8: "q8", F16: "f16", Q4_I8: "q4 x int8"}
+_HEADER = 2 * BLOCK * 4  # a[32] and b[32] fp32 at the start of each record
 _SUPER = 256  # values per k-quant super-block
 
 
@@ -176,6 +182,19 @@ class QuantizedWeight:
             q, a, b = q[row_order], a[row_order], b[row_order]
         return cls.pack(q, a, b, fmt, group, type_name)
 
+    def for_int8_activations(self) -> "QuantizedWeight":
+        """This 4-bit weight (groups of 32) in gemm_q4_i8.c's layout: each record's q bytes from [k][16] to
+        [k / 4][16][4]. Other formats are returned as they are."""
+        if self.format != Q4 or self.group != 32:
+            return self
+        return QuantizedWeight(_regroup_q4(self.packed, self.shape, to_quads=True), Q4_I8, 32, self.shape, self.qtype)
+
+    def as_exact(self) -> "QuantizedWeight":
+        """The fp32-activation form of the same values (the inverse of for_int8_activations)."""
+        if self.format != Q4_I8:
+            return self
+        return QuantizedWeight(_regroup_q4(self.packed, self.shape, to_quads=False), Q4, 32, self.shape, self.qtype)
+
     # ------------------------------------------------------------------ reading back
 
     @property
@@ -195,6 +214,8 @@ class QuantizedWeight:
         """(q [N, K], a, b [N, K / group]) of a Q4/Q8 weight: the inverse of `pack`."""
         if self.format == F16:
             raise ValueError("an F16 weight has no groups")
+        if self.format == Q4_I8:
+            return self.as_exact().unpack()
         n, k = self.shape
         nb, ng, group = -(-n // BLOCK), k // self.group, self.group
         records = self.packed.numpy().reshape(nb, ng, -1)
@@ -237,12 +258,33 @@ class QuantizedWeight:
         return f"{self.qtype} ({_FORMAT_NAMES[self.format]}, {self.nbytes / 2**20:.1f} MiB)"
 
 
+def _regroup_q4(packed: torch.Tensor, shape: tuple[int, int], to_quads: bool) -> torch.Tensor:
+    """Q4 records (groups of 32) with each record's q bytes reordered [k][16] -> [k / 4][16][4] (to_quads) or
+    back."""
+    n, k = shape
+    records = packed.numpy().reshape(-1, _HEADER + 32 * 16)
+    q = records[:, _HEADER:].reshape(-1, 8, 4, 16) if to_quads else records[:, _HEADER:].reshape(-1, 8, 16, 4)
+    out = records.copy()
+    out[:, _HEADER:] = q.transpose(0, 1, 3, 2).reshape(-1, 32 * 16)
+    return torch.from_numpy(out.reshape(-1))
+
+
+def int8_activation_weights(state_dict: dict) -> dict:
+    """The decoder layers' 4-bit QuantizedWeights in the int8-activation layout (for_int8_activations);
+    embeddings and the LM head keep theirs (lookups and the exact greedy argmax read them)."""
+    return {name: w.for_int8_activations() if isinstance(w, QuantizedWeight) and ".layers." in name else w
+            for name, w in state_dict.items()}
+
+
 def cat_rows(weights: list) -> "QuantizedWeight | torch.Tensor":
     """Concatenate weights along their output rows (fused q/k/v, gate/up). Quantized parts with the same
     format and group stay quantized; mixed parts are brought to a common form (Q4 values widen to Q8, groups
     of 32 split into 16); parts with F16 or fp32 among quantized ones are dequantized, with a log line."""
     if not any(isinstance(w, QuantizedWeight) for w in weights):
         return torch.cat(weights)
+    if all(isinstance(w, QuantizedWeight) and w.format == Q4_I8 for w in weights):
+        return cat_rows([w.as_exact() for w in weights]).for_int8_activations()
+    weights = [w.as_exact() if isinstance(w, QuantizedWeight) else w for w in weights]
     if not all(isinstance(w, QuantizedWeight) and w.format in (Q4, Q8) for w in weights):
         if all(isinstance(w, QuantizedWeight) and w.format == F16 for w in weights):
             return QuantizedWeight.from_f16(np.concatenate([w.dequantize().numpy().astype(np.float16) for w in weights]))

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "SPECSERVE_KERNELS"
 BACKENDS = ("auto", "c", "torch")
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "gemm_gguf.c", "decoder.c", "greedy.c",
+           for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "gemm_gguf.c", "gemm_q4_i8.c", "decoder.c", "greedy.c",
                         "kv_copy.c", "ngram.c")]
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("specserve_math.h", "specserve_kernels.h", "gemm_common.h")]
@@ -241,13 +241,14 @@ def gemm_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 
 # Formats of csrc/gemm_gguf.c's packed weights (specserve_kernels.h); see specserve.models.gguf_quant.
-WEIGHT_F32, WEIGHT_Q4, WEIGHT_Q8, WEIGHT_F16 = 0, 2, 3, 4
+WEIGHT_F32, WEIGHT_Q4, WEIGHT_Q8, WEIGHT_F16, WEIGHT_Q4_I8 = 0, 2, 3, 4, 5
 
 
 def gemm_weight(x: torch.Tensor, packed: torch.Tensor, weight_format: tuple[int, int], bias: torch.Tensor | None,
                 out_features: int) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] for W packed in one of gemm_weight's formats (csrc/gemm_gguf.c):
-    bitwise what gemm_packed gives on the dequantized fp32 weight."""
+    bitwise what gemm_packed gives on the dequantized fp32 weight, except WEIGHT_Q4_I8, which rounds x to
+    int8 per group of 32 (csrc/gemm_q4_i8.c); either way a row's result does not depend on M."""
     _check(x=x, **({"bias": bias} if bias is not None else {}))
     if not packed.is_contiguous():
         raise ValueError("C kernel: packed must be contiguous")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.models.gguf_quant import QuantizedWeight
+from specserve.models.gguf_quant import QuantizedWeight, int8_activation_weights
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
 from specserve.ops.attention import paged_metadata
@@ -28,7 +28,12 @@ from specserve.spec_decode.proposer import DraftInputs, KVCacheSpec, DrafterNeed
 
 class DraftModelProposer:
     def __init__(self, spec_config, target: TargetInfo) -> None:
-        loaded = load_model_weights(spec_config.model, dtype=target.dtype)
+        # a GGUF drafter follows the target's storage: its blocks, multiplied as the target multiplies its own
+        # (a self-draft then computes exactly the target's tokens)
+        blocks = spec_config.quantization is None and target.gguf_compute is not None
+        loaded = load_model_weights(spec_config.model, dtype=target.dtype, keep_quantized=blocks)
+        if blocks and target.gguf_compute == "int8":
+            loaded.state_dict = int8_activation_weights(loaded.state_dict)
         weight_dtype = "int8" if spec_config.quantization == "int8" else target.weight_dtype
         self.model = build_model(loaded.config, loaded.state_dict, dtype=target.dtype, weight_dtype=weight_dtype)
         target_vocab, draft_vocab = target.model.config.vocab_size, self.model.config.vocab_size

@@ -148,6 +148,9 @@ class TargetInfo:
     dtype: torch.dtype
     weight_dtype: object
     max_model_len: int
+    # how the target multiplies GGUF blocks it keeps ("int8" or "fp32", EngineConfig.gguf_compute); None when
+    # its weights are tensors
+    gguf_compute: str | None = None
 
 
 def make_proposer(spec_config, target: TargetInfo) -> Proposer:

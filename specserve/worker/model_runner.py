@@ -97,7 +97,7 @@ class ModelRunner:
     from `kv_bytes_per_block` (target plus drafter) before `initialize_kv_cache`."""
 
     def __init__(self, model, block_size: int, eos_token_ids: set[int], max_model_len: int,
-                 spec_config=None, weight_dtype=None) -> None:
+                 spec_config=None, weight_dtype=None, gguf_compute: str | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = set(eos_token_ids)
@@ -108,7 +108,8 @@ class ModelRunner:
         self.num_speculative_tokens = 0
         self.draft_policy = DraftPolicy()
         if spec_config is not None:
-            self.proposer = make_proposer(spec_config, TargetInfo(model, model.dtype, weight_dtype, max_model_len))
+            self.proposer = make_proposer(spec_config, TargetInfo(model, model.dtype, weight_dtype, max_model_len,
+                                                                      gguf_compute))
             self.num_speculative_tokens = spec_config.num_speculative_tokens
             options = self.proposer.needs.options or (
                 DraftOption(spec_config.method, spec_config.num_speculative_tokens, self.proposer.needs.drafting_cost),)

@@ -27,7 +27,7 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 #define RECORD_HEADER (2 * BLOCK * (int64_t)sizeof(float)) /* a[32], b[32] */
 
 static inline int64_t record_bytes(int64_t format, int64_t group) {
-    return RECORD_HEADER + group * (format == WEIGHT_Q4 ? 16 : 32);
+    return RECORD_HEADER + group * (format == WEIGHT_Q8 ? 32 : 16);
 }
 
 /* The 32 weights of one k row of a Q4 record: the low nibbles are columns 0-15, the high ones 16-31. */
@@ -199,6 +199,7 @@ int gemm_weight(const float *x, const weight_t *w, const float *bias, float *y, 
             if (w->group == 32) return gemm_q8_g32(x, w->data, bias, y, M, K, N), 0;
             if (w->group == 16) return gemm_q8_g16(x, w->data, bias, y, M, K, N), 0;
             return 1;
+        case WEIGHT_Q4_I8: return w->group == 32 ? gemm_q4_i8(x, w->data, bias, y, M, K, N) : 1;
         default: return 1;
     }
 }
@@ -214,6 +215,7 @@ int gemm_weight_f32(const float *x, const void *data, int64_t format, int64_t gr
  * 16-lane vector expression over the half-block holding n (so the compiler contracts it into the same fused
  * multiply-adds), lane n % 16 kept. */
 float weight_column(const float *x, const weight_t *w, int64_t K, int64_t n) {
+    if (w->format == WEIGHT_Q4_I8) return NAN; /* its GEMM quantizes x: no fp32 column to reproduce */
     const int64_t b = n / BLOCK, half = (n % BLOCK) / 16;
     v16 acc = {0};
     if (w->format == WEIGHT_F32 || w->format == WEIGHT_F16) {
@@ -269,8 +271,10 @@ void weight_rows(const weight_t *w, int64_t K, const int64_t *ids, int64_t count
             memcpy(&a, rec + 4 * j, sizeof a);
             memcpy(&s, rec + 128 + 4 * j, sizeof s);
             for (int64_t kk = 0; kk < G; kk++) {
-                const float v = w->format == WEIGHT_Q4 ? (float)(j < 16 ? q[kk * 16 + j] & 15 : q[kk * 16 + j - 16] >> 4)
-                                                       : (float)(int8_t)q[kk * 32 + j];
+                /* Q4_I8 keeps the same nibbles, the bytes of each 4 k's grouped per column (gemm_q4_i8.c) */
+                const int64_t at = w->format == WEIGHT_Q4_I8 ? (kk >> 2) * 64 + 4 * (j & 15) + (kk & 3) : kk * 16 + (j & 15);
+                const float v = w->format == WEIGHT_Q8 ? (float)(int8_t)q[kk * 32 + j]
+                                                       : (float)(j < 16 ? q[at] & 15 : q[at] >> 4);
                 row[g * G + kk] = v * a + s; /* a * v is exact: one rounding, fused or not */
             }
         }

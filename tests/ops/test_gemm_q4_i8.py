@@ -1,0 +1,149 @@
+"""The int8-activation GEMM for 4-bit GGUF blocks (ops/csrc/gemm_q4_i8.c, QuantizedWeight.for_int8_activations):
+the integer math of a reference written here, rows independent of their batch and of the thread count, the
+same results from its AVX512-VNNI, AVX2 and portable builds, and the layout's round trips."""
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.models.gguf_quant import Q4, Q4_I8, QuantizedWeight, cat_rows, int8_activation_weights
+from specserve.ops import kernels
+from tests.kernel_support import requires_c_kernels
+
+pytestmark = requires_c_kernels
+
+
+def random_q4(rng: np.random.Generator, n: int, k: int) -> QuantizedWeight:
+    """A Q4_1-like weight: q in 0..15, positive scales, negative offsets (w = a * q + b)."""
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    a = rng.uniform(1e-3, 2e-2, size=(n, k // 32)).astype(np.float32)
+    b = -rng.uniform(0, 0.1, size=(n, k // 32)).astype(np.float32)
+    return QuantizedWeight.pack(q, a, b, Q4, 32, "Q4_1")
+
+
+def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 of the kernel's math: x per group of 32 as two int8 digits, d * (hi + lo / 256) with d =
+    max|x| / 127, times the weight."""
+    m, k = x.shape
+    groups = x.reshape(m, k // 32, 32)
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    r = groups * torch.where(d > 0, 1 / d, 0)  # fp32, as the kernel divides
+    hi = torch.round(r)
+    lo = torch.round((r - hi) * 256).clamp(-127, 127)
+    xq = (hi.double() + lo.double() / 256) * d.double()
+    y = xq.reshape(m, k) @ weight.dequantize().double().T
+    return (y if bias is None else y + bias.double()).float()
+
+
+def gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return kernels.gemm_weight(x.contiguous(), weight.packed, weight.weight_format, bias, weight.shape[0])
+
+
+@pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (45, 64), (100, 576), (70, 1536)])
+def test_gemm_is_the_int8_math(n, k):
+    rng = np.random.default_rng(n + k)
+    weight = random_q4(rng, n, k).for_int8_activations()
+    assert weight.weight_format == (Q4_I8, 32)
+    x = torch.from_numpy(rng.standard_normal((9, k)).astype(np.float32))
+    x[3, :32] = 0.0  # a group of zeros: scale 0, no division by it
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    for b in (None, bias):
+        want = reference(x, weight, b)
+        got = gemm(x, weight, b)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
+
+
+def test_int8_activations_stay_close_to_fp32():
+    rng = np.random.default_rng(1)
+    exact = random_q4(rng, 256, 576)
+    x = torch.from_numpy(rng.standard_normal((4, 576)).astype(np.float32))
+    fp32 = gemm(x, exact)
+    int8 = gemm(x, exact.for_int8_activations())
+    assert not torch.equal(fp32, int8)  # it is a different computation ...
+    assert (int8 - fp32).norm() / fp32.norm() < 1e-4  # ... within the activations' 15-bit rounding
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_result_does_not_depend_on_its_batch(threads):
+    """What makes speculation lossless on this path: a verification step's rows equal one-token steps."""
+    rng = np.random.default_rng(2)
+    weight = random_q4(rng, 3072, 576).for_int8_activations()  # large enough for the threaded loop
+    x = torch.from_numpy(rng.standard_normal((13, 576)).astype(np.float32))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([gemm(x[i:i + 1], weight) for i in range(13)])
+        for rows in (2, 5, 6, 7, 12, 13):
+            assert torch.equal(gemm(x[:rows], weight), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(gemm(x, weight), alone)  # and across thread counts
+
+
+def test_layout_round_trips():
+    rng = np.random.default_rng(3)
+    exact = random_q4(rng, 45, 96)
+    int8 = exact.for_int8_activations()
+    assert not torch.equal(int8.packed, exact.packed) and int8.nbytes == exact.nbytes
+    assert torch.equal(int8.dequantize(), exact.dequantize())
+    assert torch.equal(int8[torch.tensor([44, 0, 7])], exact[torch.tensor([44, 0, 7])])
+    assert torch.equal(int8.as_exact().packed, exact.packed)
+    for part, want in zip(int8.unpack(), exact.unpack()):
+        np.testing.assert_array_equal(part, want)
+    parts = [random_q4(rng, n, 96) for n in (64, 32, 20)]  # whole blocks, then a partial one
+    fused = cat_rows([p.for_int8_activations() for p in parts])
+    assert fused.weight_format == (Q4_I8, 32)
+    assert torch.equal(fused.packed, cat_rows(parts).for_int8_activations().packed)
+
+
+def test_only_decoder_layers_four_bit_blocks_change():
+    rng = np.random.default_rng(4)
+    q8 = QuantizedWeight.pack(rng.integers(-127, 128, size=(32, 64)).astype(np.int8),
+                              np.ones((32, 2), np.float32), np.zeros((32, 2), np.float32), kernels.WEIGHT_Q8, 32, "Q8_0")
+    q4 = random_q4(rng, 32, 64)
+    state = {"model.embed_tokens.weight": q4, "model.layers.0.mlp.up_proj.weight": q4,
+             "model.layers.0.mlp.down_proj.weight": q8, "model.norm.weight": torch.ones(64)}
+    out = int8_activation_weights(state)
+    assert out["model.layers.0.mlp.up_proj.weight"].weight_format == (Q4_I8, 32)
+    assert out["model.embed_tokens.weight"] is q4 and out["model.layers.0.mlp.down_proj.weight"] is q8
+    assert out["model.norm.weight"] is state["model.norm.weight"]
+
+
+def _build(tmp_path, name: str, flags: list[str]):
+    """gemm_q4_i8.c alone, compiled with `flags` (one instruction set), as a ctypes library."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    src = kernels.SOURCES[0].parent
+    out = tmp_path / f"{name}.so"
+    subprocess.run([cc, "-O3", *flags, "-fno-trapping-math", "-shared", "-fPIC", "-std=gnu11", f"-I{src}",
+                    str(src / "gemm_q4_i8.c"), "-o", str(out), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(out))
+    lib.gemm_q4_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    return lib
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_instruction_sets_agree(tmp_path):
+    """The VNNI, AVX2 and portable dot products are the same integer sums; the fp32 epilogue rounds alike
+    wherever the compiler fuses its multiply-adds (FMA builds), within an ulp or so elsewhere."""
+    rng = np.random.default_rng(5)
+    weight = random_q4(rng, 96, 192).for_int8_activations()
+    x = torch.from_numpy(rng.standard_normal((7, 192)).astype(np.float32))
+    builds = {"portable": ["-march=x86-64"], "avx2": ["-march=haswell"], "native": ["-march=native"]}
+    results = {}
+    for name, flags in builds.items():
+        try:
+            lib = _build(tmp_path, name, flags)
+        except (subprocess.CalledProcessError, OSError) as e:
+            pytest.fail(f"gemm_q4_i8.c does not build with {flags}: {getattr(e, 'stderr', e)}")
+        y = torch.empty(7, 96)
+        assert lib.gemm_q4_i8(x.data_ptr(), weight.packed.data_ptr(), None, y.data_ptr(), 7, 192, 96) == 0
+        results[name] = y
+    assert torch.equal(results["avx2"], results["native"])
+    assert torch.allclose(results["portable"], results["native"], rtol=1e-6, atol=1e-6)
+    assert torch.allclose(results["native"], reference(x, weight), rtol=1e-5, atol=1e-5)

@@ -187,13 +187,13 @@ class QuantizedWeight:
         [k / 4][16][4]. Other formats are returned as they are."""
         if self.format != Q4 or self.group != 32:
             return self
-        return QuantizedWeight(_regroup_q4(self.packed, self.shape, to_quads=True), Q4_I8, 32, self.shape, self.qtype)
+        return QuantizedWeight(_regroup_q4(self.packed, to_quads=True), Q4_I8, 32, self.shape, self.qtype)
 
     def as_exact(self) -> "QuantizedWeight":
         """The fp32-activation form of the same values (the inverse of for_int8_activations)."""
         if self.format != Q4_I8:
             return self
-        return QuantizedWeight(_regroup_q4(self.packed, self.shape, to_quads=False), Q4, 32, self.shape, self.qtype)
+        return QuantizedWeight(_regroup_q4(self.packed, to_quads=False), Q4, 32, self.shape, self.qtype)
 
     # ------------------------------------------------------------------ reading back
 
@@ -258,10 +258,9 @@ class QuantizedWeight:
         return f"{self.qtype} ({_FORMAT_NAMES[self.format]}, {self.nbytes / 2**20:.1f} MiB)"
 
 
-def _regroup_q4(packed: torch.Tensor, shape: tuple[int, int], to_quads: bool) -> torch.Tensor:
+def _regroup_q4(packed: torch.Tensor, to_quads: bool) -> torch.Tensor:
     """Q4 records (groups of 32) with each record's q bytes reordered [k][16] -> [k / 4][16][4] (to_quads) or
     back."""
-    n, k = shape
     records = packed.numpy().reshape(-1, _HEADER + 32 * 16)
     q = records[:, _HEADER:].reshape(-1, 8, 4, 16) if to_quads else records[:, _HEADER:].reshape(-1, 8, 16, 4)
     out = records.copy()

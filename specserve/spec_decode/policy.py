@@ -14,8 +14,11 @@ slowed by other work: a live timing moves its size's average by at most 10% of i
 below cost(k - 1) (sizes are timed apart). The curve depends on the kernels, the machine and the context
 length (with oneDNN linears it jumped at 7 rows; with specserve's GEMM and chunked attention it rises ~2% per
 token at ~1k tokens of context, most of it attention).
-The proposer's own time per draft token is added (nothing for prompt lookup, a forward pass of the
-drafter per token for draft_model).
+The proposer's own time per draft token is added (tens of microseconds for a lookup, a forward pass of
+the drafter per token for draft_model); a stalled call raises it by at most a tenth. A price that
+nothing re-measures (a step size no request is given, the drafting time of an option no request uses)
+returns toward its calibrated or prior value, so a price raised on a busy moment is tried again instead of
+keeping that size or option out for good.
 
 With several requests the step is fitted as fixed + per_token * tokens over recent steps, and a draft
 costs per_token against the request's share of a plain step, (fixed + per_token * requests) / requests. At
@@ -54,6 +57,14 @@ PROBE_EVERY = 8  # steps without drafting before one probing draft, when a draft
 # keeps PROBE_EVERY; an int8 self-draft at c ~0.5 probes every ~50 steps instead of every 8).
 PROBE_BUDGET = 0.01
 DRAFTING_EMA = 0.8  # weight of the history in the proposer's seconds per draft token
+# A drafting time counts at most this many times the running value: a call that a stall (the collector,
+# other work on the host) made 100x slower would otherwise price a lookup out of every later step.
+DRAFTING_CLIP = 1.5
+# A price nothing re-measures drifts back toward its prior: after STALE_AFTER steps without an observation,
+# per further step a measured drafting time keeps STALE_KEEP of its distance from the prior, and a step
+# size's measured cost of its distance from the calibrated shape (a half-life of ~70 steps). A price that
+# turned prohibitive on a busy moment would otherwise never be tried again, so never corrected.
+STALE_AFTER, STALE_KEEP = 16, 0.99
 RELAX = 0.98  # per step, an option a request is not using drifts toward the engine's rate for it (auto)
 # With several requests a draft must promise this much over plain decoding: a batched step's price is a fit
 # over noisy timings, and a request's share of the gain is small, so a marginal draft is as likely a loss
@@ -94,6 +105,11 @@ def expected_tokens(rate: float, k: int) -> float:
     if rate >= 1.0:
         return k + 1.0
     return (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+
+def _staleness(age: int) -> float:
+    """The weight a measurement last made `age` steps ago keeps against its prior."""
+    return STALE_KEEP ** max(age - STALE_AFTER, 0)
 
 
 def probe_interval(probe_cost: float) -> int:
@@ -139,8 +155,13 @@ class StepCosts:
         self.cost_per_draft = cost_per_draft
         self.seconds: dict[int, float] = {}
         self.samples: dict[int, int] = {}
+        self.anchor: dict[int, float] = {}  # calibrated cost(k) (seed), what an unobserved size returns to
+        self.clock = 0  # observations of any size
+        self.seen: dict[int, int] = {}  # clock at each size's last observation
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        self.clock += 1
+        self.seen[num_tokens] = self.clock
         if num_tokens not in self.samples:  # the first step of a size builds oneDNN kernels for it: skip
             self.samples[num_tokens] = 0
             return
@@ -155,6 +176,10 @@ class StepCosts:
         for num_tokens, value in seconds.items():
             self.seconds[num_tokens] = value
             self.samples[num_tokens] = max(self.samples.get(num_tokens, 0), self.MIN_SAMPLES)
+            self.seen[num_tokens] = self.clock
+        one = seconds.get(1)
+        if one:
+            self.anchor = {n - 1: max(value / one, 1.0) for n, value in seconds.items() if n > 1}
 
     def relative(self, k: int) -> float:
         """cost of verifying k drafts, in one-token steps: never less than verifying fewer (sizes are timed
@@ -172,9 +197,11 @@ class StepCosts:
     def _ratio(self, k: int) -> float:
         if k == 0:
             return 1.0
+        prior = self.anchor.get(k, 1.0 + self.cost_per_draft * k)
         if min(self.samples.get(1, 0), self.samples.get(1 + k, 0)) >= self.MIN_SAMPLES:
-            return max(self.seconds[1 + k] / self.seconds[1], 1.0)
-        return 1.0 + self.cost_per_draft * k
+            measured = max(self.seconds[1 + k] / self.seconds[1], 1.0)
+            return prior + (measured - prior) * _staleness(self.clock - self.seen[1 + k])
+        return prior
 
 
 class LinearStepFit:
@@ -311,6 +338,7 @@ class DraftPolicy:
         self.batch_fit = LinearStepFit()  # steps of several requests
         self.num_running = 0  # requests in the last step
         self.draft_seconds: list[float | None] = [None] * len(self.options)  # per option, per draft token
+        self.drafted_at = [0] * len(self.options)  # per option, the step of its last timed drafting
         self.step_index = 0
         # per option, cost(k) for k = 0..max_drafts: the same for every request of a step, so computed once
         # per (seeded, requests running, measurements that moved a price)
@@ -343,7 +371,10 @@ class DraftPolicy:
             self._measured += 1
             per_token = seconds / num_draft_tokens
             old = self.draft_seconds[option]
-            self.draft_seconds[option] = per_token if old is None else DRAFTING_EMA * old + (1 - DRAFTING_EMA) * per_token
+            if old is not None:  # a stalled call moves the price a little only
+                per_token = DRAFTING_EMA * old + (1 - DRAFTING_EMA) * min(per_token, DRAFTING_CLIP * old)
+            self.draft_seconds[option] = per_token
+            self.drafted_at[option] = self.step_index
 
     def record(self, req_id: str, num_drafts: int, num_accepted: int, option: int = 0) -> None:
         if num_drafts:
@@ -447,16 +478,17 @@ class DraftPolicy:
         return max(PRIOR_ACCEPTANCE, engine.rate)
 
     def _drafting_cost(self, option: int, plain_seconds: float | None) -> float:
-        """Proposer time per draft token relative to a request's plain step (the prior until measured)."""
-        seconds = self.draft_seconds[option]
+        """Proposer time per draft token relative to a request's plain step: the prior until measured, and
+        back toward it while the option does no drafting (STALE_KEEP)."""
+        seconds, prior = self.draft_seconds[option], self.options[option].prior_drafting_cost
         if seconds is None or not plain_seconds:
-            return self.options[option].prior_drafting_cost
-        return seconds / plain_seconds
+            return prior
+        return prior + (seconds / plain_seconds - prior) * _staleness(self.step_index - self.drafted_at[option])
 
     def _cost_tables(self, seeded: bool) -> tuple[list[list[float]], bool]:
         """Per option, cost(k) for k = 0..its max_drafts (drafting and verifying k tokens, in plain steps);
         with them, whether any option would pay if all its drafts were accepted."""
-        key = (seeded, self.num_running, self._measured)
+        key = (seeded, self.num_running, self._measured, self.step_index)  # stale prices move every step
         if self._tables is None or self._tables[0] != key:
             verify = (lambda k: 1.0 + self.cost_per_draft * k) if seeded else self._verify_cost()
             tables = []

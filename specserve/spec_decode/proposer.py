@@ -132,6 +132,9 @@ class Drafts:
     # [(option, draft tokens, seconds)] of each option's work this call.
     sources: list[int | None] | None = None
     timings: list[tuple[int, int, float]] | None = None
+    # (request, option, drafts, accepted) of drafts an option made but did not submit, scored against the
+    # tokens the request emitted after them: acceptance the policy learns as if they had been verified.
+    shadow_records: list[tuple[str, int, int, int]] | None = None
 
 
 class Proposer(Protocol):

@@ -374,6 +374,8 @@ class ModelRunner:
         inputs = self._build_draft_inputs(batch, sampled, hidden, aux, plans)
         start = time.perf_counter()
         drafts = self.proposer.propose(inputs)
+        for rid, option, num_drafts, num_accepted in drafts.shadow_records or ():
+            self.draft_policy.record(rid, num_drafts, num_accepted, option)
         if self._is_decode_step(batch):  # after a prefill a draft model also catches up on the whole prompt
             for option, num_tokens, seconds in drafts.timings or [
                     (0, sum(map(len, drafts.token_ids)), time.perf_counter() - start)]:

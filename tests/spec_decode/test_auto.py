@@ -190,10 +190,22 @@ def test_auto_hands_a_request_to_the_next_option_when_a_lookup_finds_nothing(tar
                          finished_req_ids={"gone"})
     out = proposer.propose(inputs)
     assert out.token_ids == [[5, 6], [8, 9]] and out.sources == [0, 1]
-    # suffix is asked for both; ngram searches only for the request suffix found nothing for, and every
-    # lookup sees every request and the finished ones each step
-    assert suffix.calls == [([5, 5], {"gone"})]
-    assert ngram.calls == [([0, 0], {"gone"}), ([0, 8], {"gone"})]
+    # a new request's first step is a shadow round: every lookup is asked for it, and what ngram found for
+    # "a" (not used: suffix had a draft) waits for the tokens that score it
+    assert suffix.calls == [([5, 5], {"gone"})] and ngram.calls == [([8, 8], {"gone"})]
+    assert out.shadow_records == [] and proposer._shadows == {"a": {1: (2, [7])}}
+    suffix.calls.clear()
+    ngram.calls.clear()
+    later = DraftInputs(req_ids=["a", "b"], sampled_token_ids=[[5, 6, 9], [8, 9, 4]], next_token_ids=[9, 4],
+                        token_ids=[[3, 1, 5, 6, 9], [4, 2, 8, 9, 4]], num_prompt_tokens=[1, 1], num_drafts=[5, 5],
+                        sampling_params=[SamplingParams(temperature=0)] * 2, generators=[None, None],
+                        max_model_len=64, draft_plans=[[(0, 5), (1, 8)], [(0, 5), (1, 8)]])
+    out = proposer.propose(later)
+    assert out.token_ids == [[5, 6], [8, 9]] and out.sources == [0, 1]
+    # ngram's [7] met a 5: a shadow draft of one token, none accepted; no round is due, so ngram now
+    # searches only for the request suffix found nothing for (every lookup still sees every request)
+    assert out.shadow_records == [("a", 1, 1, 0)]
+    assert suffix.calls == [([5, 5], set())] and ngram.calls == [([0, 0], set()), ([0, 8], set())]
 
 
 def test_auto_config_defaults_and_errors():
@@ -208,3 +220,37 @@ def test_auto_config_defaults_and_errors():
         SpeculativeConfig.from_dict({"method": "auto", "drafter": "medusa2"})
     with pytest.raises(ValueError, match="applies to method 'auto' only"):
         SpeculativeConfig.from_dict({"method": "ngram", "drafter": "eagle"})
+
+
+def test_auto_takes_back_a_drafter_that_turns_right_again(target):
+    """One request; the first drafter is wrong for its first 40 tokens, then right, the second is right
+    about half the time. The request moves to the second and back to the first once it turns right: the
+    first, though not used, is still measured on the request (shadow drafts), where without that its rate
+    (and the engine's, from this request alone) would stay where the wrong stretch left it. Output stays
+    plain decoding's."""
+    folder, prompts = target
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    prompt = prompts[0]
+    (plain,) = plain_outputs(folder, [prompt], params)
+    sequence = prompt["prompt_token_ids"] + plain
+    start = len(prompt["prompt_token_ids"])
+    wrong = range(start, start + 40)
+    llm = auto_llm(folder, num_speculative_tokens=4)
+    proposer = llm.llm_engine.runner.proposer
+    proposer.proposers = [Oracle([sequence], right=lambda index: index not in wrong),
+                          Oracle([sequence], right=lambda index: (index * 2654435761) % 7 < 4)]
+    used: list[tuple[int, int]] = []  # (history length, option)
+    propose = proposer.propose
+
+    def recorded(inputs):
+        out = propose(inputs)
+        used.extend((len(h), src) for h, src in zip(inputs.token_ids, out.sources) if src is not None)
+        return out
+
+    proposer.propose = recorded
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == plain
+    during = [src for n, src in used if wrong.start + 10 <= n < wrong.stop]
+    after = [src for n, src in used if n >= wrong.stop + 15]
+    assert during and during.count(1) > 0.7 * len(during)
+    assert after and after.count(0) > 0.7 * len(after)

@@ -31,10 +31,11 @@ def test_an_expensive_drafter_probes_less_often():
     """A draft model whose draft costs ~40% of a step probes about every 40 idle steps, so a request that
     does not accept enough pays ~1% for probing; prompt lookup keeps probing every PROBE_EVERY steps."""
     assert probe_interval(0.03) == PROBE_EVERY and probe_interval(0.4) == 40
-    policy = _policy_with_measured_costs({n: 0.02 for n in range(1, 10)})
+    model = DraftOption("draft_model", 32, prior_drafting_cost=0.4)
+    policy = _policy_with_measured_costs({n: 0.02 for n in range(1, 10)}, (model,))
     for _ in range(10):
         policy.record("r", 4, 0)
-        policy.observe_drafting(4, 4 * 0.008)  # 0.4 of a 20 ms step per draft token
+        policy.observe_drafting(4, 4 * 0.008)  # 0.4 of a 20 ms step per draft token, as its prior says
     decisions = [policy.num_drafts("r", 6) for _ in range(80)]
     assert [i for i, k in enumerate(decisions) if k] == [39, 79] and set(decisions) == {0, 1}
 
@@ -63,8 +64,8 @@ def test_fixed_policy_always_drafts_k():
     assert policy.num_drafts("r", 5) == 5
 
 
-def _policy_with_measured_costs(costs: dict[int, float]) -> DraftPolicy:
-    policy = DraftPolicy()
+def _policy_with_measured_costs(costs: dict[int, float], options=(DraftOption("default", 32),)) -> DraftPolicy:
+    policy = DraftPolicy(options)
     for _ in range(5):
         for num_tokens, seconds in costs.items():
             policy.observe_step(1, num_tokens, seconds)
@@ -278,3 +279,39 @@ def test_no_planning_while_not_even_always_accepted_drafts_would_pay():
     assert all(policy.plan("r", 4) == [] for _ in range(200)) and "r" not in policy.stats
     both = DraftPolicy((DraftOption("ngram", 4), dear))
     assert both.plan("r", 4)[0][0] == 0
+
+
+def test_a_stalled_drafting_call_does_not_price_a_lookup_out():
+    """One lookup call that a stall made 70 ms long (measured: a collector pause) moves its price a little;
+    and a price that did turn prohibitive returns toward the prior while the option is not used, so the
+    request drafts again."""
+    policy = _policy_with_measured_costs({n: 0.005 * (1 + 0.03 * (n - 1)) for n in range(1, 10)})
+    for _ in range(10):
+        policy.record("r", 4, 2)
+        policy.observe_drafting(4, 4 * 30e-6)
+    policy.observe_drafting(2, 0.070)
+    assert policy.draft_seconds[0] < 2 * 30e-6 and policy.num_drafts("r", 8) > 0
+    policy.draft_seconds[0] = 0.007  # more than a whole step per draft token
+    steps = []
+    for step in range(400):
+        policy.drafts_this_step(1)
+        if policy.plan("r", 8) and policy.stats["r"][0].rate > 0.3:  # probes aside
+            steps.append(step)
+    assert steps and 50 < steps[0] < 300
+
+
+def test_a_step_size_no_longer_used_returns_to_its_calibrated_cost():
+    """A size timed slow while the host was busy, then never chosen again, is not priced from that moment
+    for good: while other sizes are timed it returns to the calibrated shape."""
+    from specserve.spec_decode.policy import StepCosts
+
+    costs = StepCosts()
+    costs.seed({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4})
+    for _ in range(40):
+        costs.observe(5, 3.0)  # a busy moment on five-token steps
+        costs.observe(1, 1.0)
+    assert costs.relative(4) > 1.9
+    for _ in range(300):
+        costs.observe(1, 1.0)
+        costs.observe(2, 1.1)
+    assert costs.relative(4) == pytest.approx(1.4, abs=0.05) and costs.relative(1) == pytest.approx(1.1, abs=1e-6)

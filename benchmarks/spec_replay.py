@@ -61,7 +61,7 @@ class Replay:
     """One method's proposer and policy over a sequence of requests, as the runner drives them at batch 1."""
 
     def __init__(self, method: str, cost: list[float], oracle: bool = False, overrides: dict | None = None,
-                 noise: float = 0.0) -> None:
+                 noise: float = 0.0, call_cost: float = 0.0) -> None:
         config = SpeculativeConfig.from_dict({"method": method, **({"drafter": "none"} if method == "auto" else {}),
                                               **(overrides or {})})
         self.proposer = make_proposer(config, None)
@@ -75,10 +75,20 @@ class Replay:
         self.finished: set[str] = set()
         self.noise = noise
         self.rng = random.Random(0)
+        self.call_cost, self.calls = call_cost, 0
+        for lookup in getattr(self.proposer, "proposers", [self.proposer]):  # count the calls that search
+            lookup.propose = self._counted(lookup.propose)
+
+    def _counted(self, propose):
+        def counted(inputs: DraftInputs):
+            self.calls += any(inputs.num_drafts)
+            return propose(inputs)
+        return counted
 
     def request(self, rid: str, prompt: list[int], output: list[int]) -> float:
         """Steps (in one-token step units) to emit `output` after the prefill's first token."""
         tokens, pos, steps = prompt + output, len(prompt) + 1, 0.0
+        self.calls = 0
         while pos < len(tokens):
             room = len(tokens) - pos - 1  # drafts past the last token would never be verified
             plan = self.policy.plan(rid, min(self.max_k, room)) if not self.oracle else [
@@ -97,7 +107,7 @@ class Replay:
                 self.policy.observe_step(1, 1 + len(draft), STEP_SECONDS * self.curve[len(draft)] * self._jitter())
         self.policy.forget(rid)
         self.finished.add(rid)
-        return steps
+        return steps + self.call_cost * self.calls
 
     def _jitter(self) -> float:
         """A shared host's factor on one step's time: log-normal spread, and now and then a preempted step."""
@@ -111,15 +121,17 @@ class Replay:
                              finished_req_ids=self.finished, draft_plans=[plan])
         self.finished = set()
         out = self.proposer.propose(inputs)
+        for shadow_rid, option, num_drafts, num_accepted in out.shadow_records or ():  # as the runner does
+            self.policy.record(shadow_rid, num_drafts, num_accepted, option)
         if self.oracle and out.sources is not None:  # the best of the options' drafts, with hindsight
             return out.token_ids[0], out.sources[0] or 0
         return out.token_ids[0], (out.sources[0] or 0) if out.sources is not None else 0
 
 
 def score(items: list[dict], method: str, cost: list[float], oracle: bool = False,
-          overrides: dict | None = None, noise: float = 0.0) -> dict[str, float]:
+          overrides: dict | None = None, noise: float = 0.0, call_cost: float = 0.0) -> dict[str, float]:
     """Per category, output tokens per unit of step cost over its requests (plain decoding: 1.0)."""
-    replay, emitted, steps = Replay(method, cost, oracle, overrides, noise), {}, {}
+    replay, emitted, steps = Replay(method, cost, oracle, overrides, noise, call_cost), {}, {}
     for i, item in enumerate(items):
         c = item["category"]
         steps[c] = steps.get(c, 0.0) + replay.request(f"r{i}", item["prompt"], item["output"])
@@ -151,6 +163,9 @@ def main() -> None:
     p.add_argument("--noise", type=float, default=0.0,
                    help="feed the policy each step's time as measured on a noisy host: log-normal spread with this "
                         "sigma (e.g. 0.1) and 5%% of steps slowed 1.3-2.5x; charged cost stays the true curve")
+    p.add_argument("--call-cost", type=float, default=0.0,
+                   help="cost of each lookup call that searches for drafts, in one-token steps (Python time in "
+                        "the runner: ~0.006 for 30 us against a 5 ms step)")
     args = p.parse_args()
     overrides = json.loads(args.spec_config_json)
     path = Path(args.outputs)
@@ -167,7 +182,7 @@ def main() -> None:
         cost = [float(v) for v in text.split(",")]
         for method in args.methods.split(","):
             for oracle in (False, True) if args.bounds else (False,):
-                row = score(items, method, cost, oracle, overrides.get(method), args.noise)
+                row = score(items, method, cost, oracle, overrides.get(method), args.noise, args.call_cost)
                 values = [row[c] for c in categories]
                 label = method + (" bound" if oracle else "")
                 print(f"{text[:9]:>9} {label:>12}  " + " ".join(f"{v:8.2f}" for v in values)

@@ -30,7 +30,7 @@ def test_calibration_times_every_verification_size_and_the_batched_step_before_a
     # time as fast as one: the share is then that of fewer requests, or zero)
     shares = [(two - one) / one for one, two in policy.batch_fit.calibrated.values()]
     assert all(one > 0 for one, _ in policy.batch_fit.calibrated.values())
-    assert shares == sorted(shares) and shares[0] >= 0
+    assert all(later >= earlier - 1e-12 for earlier, later in zip(shares, shares[1:])) and shares[0] >= 0
     assert policy.batch_fit.draft_cost(4) is not None and policy.batch_fit.share(4) > 0
     assert policy.drafts_this_step(1)  # no plain steps needed to time a one-token step
 

@@ -341,7 +341,7 @@ class DraftPolicy:
         self.drafted_at = [0] * len(self.options)  # per option, the step of its last timed drafting
         self.step_index = 0
         # per option, cost(k) for k = 0..max_drafts: the same for every request of a step, so computed once
-        # per (seeded, requests running, measurements that moved a price)
+        # per (seeded, requests running, measurements that moved a price), and every STALE_AFTER steps
         self._tables: tuple[tuple, list[list[float]], bool] | None = None
         self._measured = 0  # measurements seen that moved a price
 
@@ -488,7 +488,8 @@ class DraftPolicy:
     def _cost_tables(self, seeded: bool) -> tuple[list[list[float]], bool]:
         """Per option, cost(k) for k = 0..its max_drafts (drafting and verifying k tokens, in plain steps);
         with them, whether any option would pay if all its drafts were accepted."""
-        key = (seeded, self.num_running, self._measured, self.step_index)  # stale prices move every step
+        # stale prices drift slowly (STALE_KEEP a step): rebuilding every STALE_AFTER steps follows them
+        key = (seeded, self.num_running, self._measured, self.step_index // STALE_AFTER)
         if self._tables is None or self._tables[0] != key:
             verify = (lambda k: 1.0 + self.cost_per_draft * k) if seeded else self._verify_cost()
             tables = []

@@ -283,15 +283,17 @@ def test_no_planning_while_not_even_always_accepted_drafts_would_pay():
 
 def test_a_stalled_drafting_call_does_not_price_a_lookup_out():
     """One lookup call that a stall made 70 ms long (measured: a collector pause) moves its price a little;
-    and a price that did turn prohibitive returns toward the prior while the option is not used, so the
-    request drafts again."""
+    a price that a long slow spell did make prohibitive returns toward the prior while the option is not
+    used, so the request drafts again."""
     policy = _policy_with_measured_costs({n: 0.005 * (1 + 0.03 * (n - 1)) for n in range(1, 10)})
     for _ in range(10):
         policy.record("r", 4, 2)
         policy.observe_drafting(4, 4 * 30e-6)
     policy.observe_drafting(2, 0.070)
     assert policy.draft_seconds[0] < 2 * 30e-6 and policy.num_drafts("r", 8) > 0
-    policy.draft_seconds[0] = 0.007  # more than a whole step per draft token
+    for _ in range(80):  # drafting stays slow for a while: the price rises to more than a step per draft token
+        policy.observe_drafting(4, 4 * 0.01)
+    assert policy.draft_seconds[0] > 0.005 and policy.num_drafts("r", 8) == 0
     steps = []
     for step in range(400):
         policy.drafts_this_step(1)

@@ -56,7 +56,8 @@ class AutoProposer:
         # draft token in the history, drafts), and its drafting steps since its last shadow round
         self._shadows: dict[str, dict[int, tuple[int, list[int]]]] = {}
         self._since_shadow: dict[str, int] = {}
-        self._seen: list[dict[str, list[int]]] = [{} for _ in range(self.num_lookups)]  # per lookup: the history lists it saw
+        # per lookup, the history list of each request it has seen
+        self._seen: list[dict[str, list[int]]] = [{} for _ in range(self.num_lookups)]
 
     def propose(self, inputs: DraftInputs) -> Drafts:
         size = len(inputs.req_ids)

@@ -128,7 +128,7 @@ def test_batched_steps_draft_only_while_the_step_is_not_compute_bound():
 
 
 def test_batch_fit_keeps_its_last_slope_when_steps_stop_varying():
-    from specserve.spec_decode.policy import LinearStepFit
+    from specserve.spec_decode.step_pricing import LinearStepFit
 
     fit = LinearStepFit()
     for i in range(30):
@@ -143,7 +143,7 @@ def test_calibrated_batches_price_a_draft_row_until_live_steps_make_a_fit():
     """Calibrated steps of N requests adding one and two tokens each: a request's share of a plain step is
     interpolated between the calibrated N's, a draft token costs the nearest pair's difference per request
     (here half a request's row at 2, more at 16), and live steps of varied sizes take over."""
-    from specserve.spec_decode.policy import LinearStepFit
+    from specserve.spec_decode.step_pricing import LinearStepFit
 
     fit = LinearStepFit()
     fit.seed({2: (0.004, 0.005), 8: (0.008, 0.0128)})
@@ -162,7 +162,7 @@ def test_calibrated_batches_price_a_draft_row_until_live_steps_make_a_fit():
 def test_a_calibrated_pair_timed_on_a_busy_moment_does_not_make_drafts_free():
     """At four requests the one-token step was timed slow (9.46 ms against 9.62 for two tokens each): a draft
     row's share of the step is taken as at least that at two requests, not 2%."""
-    from specserve.spec_decode.policy import LinearStepFit
+    from specserve.spec_decode.step_pricing import LinearStepFit
 
     fit = LinearStepFit()
     fit.seed({2: (0.00695, 0.00937), 4: (0.00946, 0.00962), 8: (0.00994, 0.01634)})
@@ -258,7 +258,7 @@ def test_one_request_that_always_drafts_gets_plain_steps_until_a_one_token_step_
 
 
 def test_step_costs_resist_a_slowed_step_and_never_price_more_drafts_below_fewer():
-    from specserve.spec_decode.policy import StepCosts
+    from specserve.spec_decode.step_pricing import StepCosts
 
     costs = StepCosts()
     costs.seed({1: 1.0, 2: 1.1, 3: 1.5, 4: 1.4})  # size 4 timed below size 3: noise
@@ -305,7 +305,7 @@ def test_a_stalled_drafting_call_does_not_price_a_lookup_out():
 def test_a_step_size_no_longer_used_returns_to_its_calibrated_cost():
     """A size timed slow while the host was busy, then never chosen again, is not priced from that moment
     for good: while other sizes are timed it returns to the calibrated shape."""
-    from specserve.spec_decode.policy import StepCosts
+    from specserve.spec_decode.step_pricing import StepCosts
 
     costs = StepCosts()
     costs.seed({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4})

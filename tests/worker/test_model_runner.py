@@ -6,7 +6,7 @@ import pytest
 
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
-from specserve.spec_decode.policy import StepCosts
+from specserve.spec_decode.step_pricing import StepCosts
 from specserve.worker.calibration import StepCalibrator
 from tests.tiny_models import save_hf_folder, tiny_hf_model
 

@@ -64,3 +64,17 @@ def max_draft_tokens(num_tokens: int, max_model_len: int) -> int:
     """Drafts a request of num_tokens tokens may carry: history + drafts + the bonus token fit in
     max_model_len (the scheduler and the runner both apply it)."""
     return max(0, max_model_len - num_tokens - 1)
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why one request failed inside a step while the others went on: `from_input` when its own input (a
+    grammar, an image) caused it, so the client is told it sent something that cannot be served."""
+
+    message: str
+    from_input: bool = False
+
+
+class FatalEngineError(RuntimeError):
+    """The engine cannot go on (a tensor-parallel worker died): a step that raises it ends the engine rather
+    than resetting it."""

@@ -23,12 +23,13 @@ import torch.distributed as dist
 
 from specserve.distributed.group import TensorParallelGroup, driver_store
 from specserve.distributed.worker import SHUTDOWN, ShardSpec, error_key, ready_key
+from specserve.types import FatalEngineError
 
 BACKENDS = ("mp", "ray")
 STOP_TIMEOUT_S = 5.0  # a worker's time to exit after the shutdown command, before it is terminated
 
 
-class WorkerFailure(RuntimeError):
+class WorkerFailure(FatalEngineError):
     """A tensor-parallel worker died or failed; the engine's workers have been stopped."""
 
 
@@ -167,13 +168,11 @@ class TensorParallelExecutor:
                 self.group.broadcast_object((name, args))
                 return local()
             except BaseException as exc:
-                failure = self._after_error(exc)
-                if failure is None:
-                    raise
-                raise failure from exc
+                raise self._after_error(exc) from exc
 
-    def _after_error(self, exc: BaseException) -> WorkerFailure | None:
-        """Stop every worker after a failed command; the WorkerFailure to raise when a worker caused it."""
+    def _after_error(self, exc: BaseException) -> FatalEngineError:
+        """Stop every worker after a failed command; the error to raise (a WorkerFailure when a worker caused
+        it). Either way the engine cannot go on: the workers are gone."""
         lost = _lost_connection(exc)
         # a dying worker may not show as dead yet (Ray reports a lost actor after a while)
         notice = self.workers.death_notice_s
@@ -191,9 +190,9 @@ class TensorParallelExecutor:
                                          f"({str(exc).splitlines()[0]}); the engine has stopped its workers")
             self.shutdown(graceful=False)
             return self.failure
-        self.failure = RuntimeError("a step failed on the driver, and the workers were stopped")
+        self.failure = FatalEngineError(f"a step failed on the driver ({exc!r}), and the workers were stopped")
         self.shutdown(graceful=False)
-        return None
+        return self.failure
 
     def _failed(self, failed: dict[int, str], when: str) -> WorkerFailure:
         lines = []

@@ -1,6 +1,7 @@
 """LLMEngine: owns the scheduler, the model runner and the output processor; one `step()` at a time."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -19,7 +20,10 @@ from specserve.multimodal.processor import MultiModalProcessor
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.proposer import TargetStates
 from specserve.tokenizer import load_tokenizer
+from specserve.types import FatalEngineError, RequestFailure
 from specserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,6 +36,8 @@ class EngineMetrics(SpecDecodeStats):
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_requests_failed: int = 0  # ended by an error of their own while the others went on
+    num_engine_restarts: int = 0  # steps that failed in a way no request owns, after which the engine reset
 
 
 class LLMEngine:
@@ -67,15 +73,19 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.calibrate_step_costs(num_blocks, config.max_num_seqs)
-        needs = self.runner.drafter_needs
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching,
-            recompute_last_hit_block=needs is not None and needs.target_states is TargetStates.ALL)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, self.runner.num_lookahead_tokens),
-                                   self.kv_cache_manager)
+        self._build_scheduler(num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
+
+    def _build_scheduler(self, num_blocks: int) -> None:
+        """An empty block pool and prefix cache, and a scheduler with no request."""
+        needs = self.runner.drafter_needs
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching,
+            recompute_last_hit_block=needs is not None and needs.target_states is TargetStates.ALL)
+        self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                                   self.max_model_len, self.runner.num_lookahead_tokens),
+                                   self.kv_cache_manager)
 
     # ---- sizing -------------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -190,30 +200,87 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run, update. A request that fails on its own ends with its error while the step goes on
+        for the others; a step that fails in a way no request owns resets the engine (`recover`), unless the
+        engine itself is gone (FatalEngineError: a worker process died)."""
+        try:
+            return self._step()
+        except FatalEngineError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the engine's state is unknown now: reset it, keep serving
+            logger.exception("engine step failed; failing the requests in flight and resetting the engine")
+            return self.recover(exc)
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         out = self.runner.execute_model(sched)
-        running = {rid: self.scheduler.requests[rid] for rid in sched.req_ids}
+        failed = self._fail_children(out.failed)  # before the update, which then passes over them
+        running = {rid: self.scheduler.requests[rid] for rid in sched.req_ids if rid not in out.failed}
         finished = self.scheduler.update_from_output(sched, out.sampled_token_ids, out.spec_token_ids,
                                                      out.draft_source_names)
-        self._count(finished, sum(len(t) for t in out.sampled_token_ids.values()))
+        self._count(finished, sum(len(out.sampled_token_ids[rid]) for rid in running))
         for rid, drafts in sched.scheduled_spec_decode_tokens.items():
-            self.metrics.record(len(drafts), len(out.sampled_token_ids.get(rid, ())) - 1)
-        return self._make_outputs(running, out.logprobs)
+            if rid in running:
+                self.metrics.record(len(drafts), len(out.sampled_token_ids.get(rid, ())) - 1)
+        return failed + self._make_outputs(running, out.logprobs)
 
     def _make_outputs(self, running: dict[str, Request], logprobs) -> list[RequestOutput]:
         now = time.time()
         touched: dict[str, None] = {}
-        stopped = []
+        stopped, failed = [], []
         for rid, request in running.items():
             parent = self.output_processor.parent_of(rid)
             if parent is None or (not request.output_token_ids and not request.is_finished):
                 continue
-            if self.output_processor.process(request, logprobs.get(rid), now) is not None:
-                stopped.append(rid)
+            try:
+                if self.output_processor.process(request, logprobs.get(rid), now) is not None:
+                    stopped.append(rid)
+            except Exception as exc:  # noqa: BLE001 - its text (detokenizing, stop strings) fails it alone
+                logger.exception("request %s failed alone while its output was processed", rid)
+                touched.pop(parent, None)
+                failed.append(self._fail_request(parent, RequestFailure(f"processing the output: {exc!r}")))
+                continue
             touched[parent] = None
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return [self.output_processor.make_output(p) for p in touched]
+        return failed + [self.output_processor.make_output(p) for p in touched]
+
+    def _fail_children(self, failures: dict[str, RequestFailure]) -> list[RequestOutput]:
+        """End the requests whose sequences failed alone in the runner (one failed sequence fails its n)."""
+        parents = {}
+        for child_id, failure in failures.items():
+            parent = self.output_processor.parent_of(child_id)
+            if parent is not None:
+                parents.setdefault(parent, failure)
+        return [self._fail_request(parent, failure) for parent, failure in parents.items()]
+
+    def _fail_request(self, parent_id: str, failure: RequestFailure, alone: bool = True) -> RequestOutput:
+        """Finish every sequence of the request with the error; its final output. `alone`: the request failed
+        on its own (counted in num_requests_failed), not with the whole step."""
+        self.scheduler.finish_requests(self.output_processor.child_ids(parent_id), RequestStatus.FINISHED_ERROR)
+        self.output_processor.fail(parent_id, failure.message, failure.from_input)
+        self.metrics.num_requests_failed += alone
+        return self.output_processor.make_output(parent_id)
+
+    def recover(self, exc: Exception) -> list[RequestOutput]:
+        """After a step failed in a way no single request owns: fail the requests in flight with the error,
+        give the block pool, prefix cache, scheduler and runner (drafter included) a new engine's state, and
+        keep the requests that had not started. Returns the failed requests' final outputs."""
+        self.metrics.num_engine_restarts += 1
+        old_scheduler, old_kv = self.scheduler, self.kv_cache_manager
+        parent_of = self.output_processor.parent_of
+        not_started = [r for r in old_scheduler.waiting if r.status == RequestStatus.WAITING]
+        lost = dict.fromkeys(parent_of(rid) for rid, r in old_scheduler.requests.items() if r not in not_started)
+        if not lost:  # nothing was in flight: the waiting requests are all the step had
+            lost, not_started = dict.fromkeys(parent_of(r.request_id) for r in not_started), []
+        self._build_scheduler(old_kv.num_blocks)
+        self.scheduler.num_preemptions, self.kv_cache_manager.stats = old_scheduler.num_preemptions, old_kv.stats
+        self.runner.reset()
+        for request in not_started:
+            if parent_of(request.request_id) not in lost:  # a sibling in flight fails its whole request
+                self.scheduler.add_request(request)
+        failure = RequestFailure(f"the engine step failed ({type(exc).__name__}: {exc}); the engine was reset")
+        return [self._fail_request(parent, failure, alone=False) for parent in lost if parent is not None]
 
     def _count(self, finished: list[Request], num_generated: int) -> None:
         m = self.metrics

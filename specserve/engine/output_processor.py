@@ -31,6 +31,7 @@ class ParentState:
     num_cached_tokens: int = 0
     num_finished: int = 0
     error: str | None = None
+    error_from_input: bool = False
 
     @property
     def finished(self) -> bool:
@@ -130,9 +131,10 @@ class OutputProcessor:
         child.completion.text = text[:keep]
         return stop
 
-    def fail(self, parent_id: str, message: str) -> None:
+    def fail(self, parent_id: str, message: str, from_input: bool = False) -> None:
+        """End every unfinished sequence of the request with finish_reason "error" and `message`."""
         parent = self.parents[parent_id]
-        parent.error = message
+        parent.error, parent.error_from_input = message, from_input
         for child in parent.children.values():
             if child.completion.finish_reason is None:
                 child.completion.finish_reason = "error"
@@ -153,7 +155,7 @@ class OutputProcessor:
         p = self.parents[parent_id]
         outputs = [_copy_completion(c.completion) for c in sorted(p.children.values(), key=lambda c: c.index)]
         out = RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, outputs, p.finished, p.metrics,
-                            p.num_cached_tokens, p.error)
+                            p.num_cached_tokens, p.error, p.error_from_input)
         if p.finished:
             del self.parents[parent_id]
             for child_id in p.children:

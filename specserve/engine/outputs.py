@@ -57,6 +57,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed on its own (e.g. prompt too long)
+    error_from_input: bool = False  # the error came from the request's own input (a client error)
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, finished={self.finished}, "

@@ -30,6 +30,15 @@ class RequestAbortedError(RuntimeError):
     """The server aborted the request (shutdown) before it finished."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended the request with an error while it went on serving: one of its own (`from_input` when
+    its input, a grammar or an image, caused it) or a failed step the engine reset itself after."""
+
+    def __init__(self, message: str, from_input: bool = False) -> None:
+        super().__init__(message)
+        self.from_input = from_input
+
+
 class StatLogger(Protocol):
     """Told about every output and abort, on the engine thread (with several replicas: on the event loop, with
     the index of the replica that produced the output)."""
@@ -100,6 +109,8 @@ class OutputStreams:
                     stream.finished = True
                     raise item
                 stream.finished = item.finished
+                if item.finished and item.error is not None:
+                    raise RequestFailedError(item.error, item.error_from_input)
                 yield item
         finally:
             if not stream.finished:
@@ -207,8 +218,8 @@ class AsyncLLM(OutputStreams):
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
                 self._publish_snapshot()
-        except BaseException as exc:  # noqa: BLE001 - the engine's state is unknown now: fail everything
-            logger.exception("engine step failed; failing all requests")
+        except BaseException as exc:  # noqa: BLE001 - even the engine's own recovery failed: fail everything
+            logger.exception("the engine failed and could not recover; failing all requests")
             self.error = exc
             self._accepting = False
             self._fail_all(EngineDeadError(f"the engine failed: {exc!r}"))

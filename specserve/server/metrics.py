@@ -117,6 +117,10 @@ _ENGINE_COUNTERS = (
     ("num_preemptions", "Requests preempted for lack of KV blocks.", "num_preemptions"),
     ("prefix_cache_queries", "Prompt blocks looked up in the prefix cache.", "prefix_cache_queries"),
     ("prefix_cache_hits", "Prompt blocks found in the prefix cache.", "prefix_cache_hits"),
+    ("num_requests_failed_alone", "Requests ended by an error of their own (a grammar, an image) while the "
+     "others went on.", "num_requests_failed"),
+    ("num_engine_restarts", "Steps that failed in a way no request owns: the requests in flight failed and the "
+     "engine reset its state and went on.", "num_engine_restarts"),
     ("spec_decode_num_drafts", "Draft sequences verified.", "num_drafts"),
     ("spec_decode_num_draft_tokens", "Draft tokens verified.", "num_draft_tokens"),
     ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),

@@ -12,7 +12,7 @@ from typing import Sequence
 from specserve.engine.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 from specserve.server.async_engine import (
-    AsyncLLM, EngineDeadError, QueueFullError, RequestAbortedError, RequestStream)
+    AsyncLLM, EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError, RequestStream)
 from specserve.server.protocol import OutputConstraint, SamplingFields, SpeculationUsage, UsageInfo
 
 RETRY_AFTER_S = 1
@@ -177,6 +177,15 @@ async def final_outputs(engine: AsyncLLM, streams: list[RequestStream]) -> list[
         raise APIError(503, str(exc), type="server_error", code="aborted") from exc
     except EngineDeadError as exc:
         raise APIError(500, str(exc), type="server_error", code="engine_failed") from exc
+    except RequestFailedError as exc:
+        raise request_failed(exc) from exc
+
+
+def request_failed(exc: RequestFailedError) -> APIError:
+    """A request the engine ended with an error: 400 when its own input caused it, else 500."""
+    if exc.from_input:
+        return APIError(400, str(exc), code="request_failed")
+    return APIError(500, str(exc), type="server_error", code="request_failed")
 
 
 def make_usage(outputs: Sequence[RequestOutput]) -> UsageInfo:

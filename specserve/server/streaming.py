@@ -16,9 +16,9 @@ from starlette.responses import StreamingResponse
 
 from specserve.engine.outputs import CompletionOutput, RequestOutput
 from specserve.sampling_params import SamplingParams
-from specserve.server.async_engine import AsyncLLM, RequestAbortedError, RequestStream
+from specserve.server.async_engine import AsyncLLM, RequestAbortedError, RequestFailedError, RequestStream
 from specserve.server.protocol import TokenSource
-from specserve.server.serving import APIError
+from specserve.server.serving import APIError, request_failed
 from specserve.tokenizer import IncrementalDetokenizer
 
 
@@ -113,6 +113,8 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def sse_error(exc: Exception) -> str:
     """An error after the stream started (status 200 already sent): one error event, as vLLM does."""
+    if isinstance(exc, RequestFailedError):
+        exc = request_failed(exc)
     if isinstance(exc, APIError):
         info = {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
     else:

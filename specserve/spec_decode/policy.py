@@ -179,6 +179,12 @@ class DraftPolicy:
             self.batch_fit.seed(batched)
         self._measured += 1
 
+    def keep_step_prices(self, other: DraftPolicy) -> None:
+        """Take `other`'s measured step prices (what a calibration gives), none of its request or acceptance
+        history: a reset engine keeps what it measured of this machine."""
+        self.step_costs, self.batch_fit = other.step_costs, other.batch_fit
+        self._measured += 1
+
     def observe_step(self, num_requests: int, num_tokens: int, seconds: float) -> None:
         """The time of a decode or verification step (no prefill in it)."""
         self.num_running = num_requests

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+ADMISSION_FORCED_TOKENS = 64  # forced tokens a new grammar is walked over before it is admitted
 CACHE_SIZE = 256  # compiled grammars kept per compiler; each is a few KiB until a request walks it
 
 # JSON comes out the way json.dumps writes it: ", " and ": " and no other whitespace. With free whitespace a
@@ -82,12 +83,31 @@ class GrammarCompiler:
         if start.is_error():
             raise ValueError(f"{label}: {start.get_error().strip()}")
         compiled = CompiledGrammar(kind, start, self.vocab_size, self.tokenizer_size, self.eos_token_ids)
+        _check_first_step(compiled, label)
         with self._lock:
             compiled = self._cache.setdefault(key, compiled)
             self._cache.move_to_end(key)
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+
+def _check_first_step(compiled: CompiledGrammar, label: str) -> None:
+    """ValueError unless a request can take its first free step in the grammar: a spec that compiles can still
+    match no string at all (an empty character class, a schema that only refers to itself), which the matcher
+    finds when it computes a mask. The check walks the text the grammar forces from the start (a tool call's
+    `{"name": ..., "arguments": `), up to ADMISSION_FORCED_TOKENS tokens, and the mask after it."""
+    matcher = GrammarMatcher(compiled)
+    try:
+        for _ in range(ADMISSION_FORCED_TOKENS):
+            if not matcher.allowed_mask().any():
+                raise GrammarError("no token may come next")
+            forced = matcher.forced_tokens(1)
+            if not forced or matcher.accept(forced) != 1:
+                return
+    except GrammarError as exc:
+        raise ValueError(f"{label}: no string matches it (the matcher fails after "
+                         f"{matcher.num_accepted} forced tokens: {exc.reason})") from exc
 
 
 def _cache_key(kind: str, spec: Any) -> tuple:
@@ -135,6 +155,14 @@ def _json_schema(spec: Any) -> dict:
     return spec
 
 
+class GrammarError(RuntimeError):
+    """A request's matcher failed: its grammar cannot go on from where the output is."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"grammar matcher failed: {reason}")
+        self.reason = reason
+
+
 class GrammarMatcher:
     """One request's position in its grammar.
 
@@ -174,6 +202,10 @@ class GrammarMatcher:
         ends = self._matcher.is_accepting()
         self._matcher.rollback(len(body))
         return valid + ends
+
+    @property
+    def num_accepted(self) -> int:
+        return self._num_accepted
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens."""
@@ -237,7 +269,7 @@ class GrammarMatcher:
             return
         self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         if self._matcher.is_error():
-            raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
+            raise GrammarError(self._matcher.get_error().strip().splitlines()[0])
 
     def _unpack(self, bitmask: np.ndarray) -> torch.Tensor:
         """[rows, words] int32 bitmask -> [rows, vocab_size] bool; ids past the tokenizer's are False."""

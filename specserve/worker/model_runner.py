@@ -5,6 +5,7 @@ execute_model prepares inputs, runs the target, samples (or verifies drafts) and
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -21,10 +22,12 @@ from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.policy import DraftOption, DraftPolicy
 from specserve.spec_decode.proposer import (DraftInputs, DrafterNeeds, KVCacheSpec, Proposer, TargetInfo,
                                             TargetStates, make_proposer)
-from specserve.types import SchedulerOutput, max_draft_tokens
+from specserve.types import RequestFailure, SchedulerOutput, max_draft_tokens
 from specserve.worker.calibration import StepCalibrator
 from specserve.worker.structured import GrammarRequests
 from specserve.worker.threads import ThreadPolicy
+
+logger = logging.getLogger(__name__)
 
 
 def positions_at(positions: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
@@ -90,6 +93,8 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] | None
     logprobs: dict[str, list[dict]] = field(default_factory=dict)  # per output token: {id: (logprob, rank)}
     draft_source_names: dict[str, str] = field(default_factory=dict)  # the drafter of each of spec_token_ids
+    # requests that failed alone this step (their tokens are meaningless): the engine ends them with the error
+    failed: dict[str, RequestFailure] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -104,16 +109,14 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.max_model_len = max_model_len
         self.uses_mrope = model.uses_mrope
+        self.spec_config = spec_config
+        self.target_info = TargetInfo(model, model.dtype, weight_dtype, max_model_len, gguf_compute)
         self.proposer: Proposer | None = None
         self.num_speculative_tokens = 0
         self.draft_policy = DraftPolicy()
         if spec_config is not None:
-            self.proposer = make_proposer(spec_config, TargetInfo(model, model.dtype, weight_dtype, max_model_len,
-                                                                      gguf_compute))
+            self._build_proposer()
             self.num_speculative_tokens = spec_config.num_speculative_tokens
-            options = self.proposer.needs.options or (
-                DraftOption(spec_config.method, spec_config.num_speculative_tokens, self.proposer.needs.drafting_cost),)
-            self.draft_policy = DraftPolicy(options, adaptive=spec_config.adaptive_draft_length)
             model.set_aux_hidden_layers(self.proposer.needs.aux_layers)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.drafter_kv: DrafterKVCache | None = None
@@ -128,6 +131,32 @@ class ModelRunner:
         self.finished_since_draft: set[str] = set()
         self.grammars = GrammarRequests()
         self.forced_drafts: set[str] = set()  # requests whose drafts awaiting verification the grammar forced
+        self.undrafted: set[str] = set()  # requests the drafter failed on: plain decoding to their end
+        self.failed: dict[str, RequestFailure] = {}  # this step's requests that failed alone
+
+    def _build_proposer(self) -> None:
+        """The proposer and its draft policy as a new engine has them."""
+        spec_config = self.spec_config
+        self.proposer = make_proposer(spec_config, self.target_info)
+        options = self.proposer.needs.options or (
+            DraftOption(spec_config.method, spec_config.num_speculative_tokens, self.proposer.needs.drafting_cost),)
+        self.draft_policy = DraftPolicy(options, adaptive=spec_config.adaptive_draft_length)
+
+    def reset(self) -> None:
+        """Forget every request and the drafter's state, as a new runner has them, after a step failed in a way
+        no single request owns. The KV tensors stay: no block table refers to their contents any more. The
+        draft policy keeps this machine's measured step prices (a new engine calibrates them before its
+        first request), nothing else."""
+        for state in (self.requests, self.generators, self.draft_probs, self.draft_sources, self.forced_drafts,
+                      self.finished_since_draft, self.undrafted, self.failed):
+            state.clear()
+        self.grammars = GrammarRequests()
+        if self.proposer is not None:
+            prices = self.draft_policy
+            self._build_proposer()
+            self.draft_policy.keep_step_prices(prices)
+        if self.drafter_kv is not None:
+            self.drafter_kv.num_valid.clear()
 
     def calibrate_step_costs(self, num_blocks: int, max_num_seqs: int) -> None:
         """Times the target's steps on a dummy context before the first request (StepCalibrator), so the
@@ -161,9 +190,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.failed = {}
         self._update_states(sched)
         if not sched.req_ids:
-            return ModelRunnerOutput([], {}, None)
+            return ModelRunnerOutput([], {}, None, failed=self.failed)
         batch = self.prepare_inputs(sched)
         start = time.perf_counter()
         with self.thread_policy.run(len(batch.input_ids)):
@@ -176,7 +206,16 @@ class ModelRunner:
         options = self.draft_policy.options
         return ModelRunnerOutput(batch.req_ids, sampled, drafts, logprobs, {  # who drafted each request's drafts
             rid: "grammar" if rid in self.forced_drafts else options[self.draft_sources.get(rid, 0)].name
-            for rid in drafts or ()})
+            for rid in drafts or ()}, self.failed)
+
+    def _fail(self, req_id: str, exc: Exception, what: str, from_input: bool = True) -> None:
+        """End one request with `exc` while the step goes on for the others (ModelRunnerOutput.failed)."""
+        logger.warning("request %s failed alone (%s): %s", req_id, what, exc)
+        self.failed.setdefault(req_id, RequestFailure(f"{what}: {exc}", from_input))
+        self.grammars.forget(req_id)
+
+    def _grammar_failed(self, req_id: str, exc: Exception) -> None:
+        self._fail(req_id, exc, "structured output")
 
     @staticmethod
     def _is_decode_step(batch: InputBatch) -> bool:
@@ -195,7 +234,9 @@ class ModelRunner:
             if self.drafter_kv is not None:
                 self.drafter_kv.forget(rid)  # its blocks are gone with the request's
             if rid not in sched.preempted_req_ids:
-                self.finished_since_draft.add(rid)
+                if rid not in self.undrafted:  # the drafter was told when it failed
+                    self.finished_since_draft.add(rid)
+                self.undrafted.discard(rid)
                 self.draft_policy.forget(rid)
                 self.generators.pop(rid, None)
         for new in sched.scheduled_new_reqs:
@@ -204,9 +245,12 @@ class ModelRunner:
                 list(new.block_ids), new.num_computed_tokens, self._generator(new.req_id, new.sampling_params),
                 mm_features=list(new.mm_features))
             if state.mm_features:
-                state.mrope = self.model.prompt_positions(len(state.prompt_token_ids), state.mm_features)
+                try:
+                    state.mrope = self.model.prompt_positions(len(state.prompt_token_ids), state.mm_features)
+                except Exception as exc:  # noqa: BLE001 - its images' fault: this request fails alone
+                    self._fail(new.req_id, exc, "image positions")
             if new.grammar is not None:
-                self.grammars.start(new.req_id, new.grammar, state.output_token_ids)
+                self.grammars.start(new.req_id, new.grammar, state.output_token_ids, self._grammar_failed)
             if self.drafter_kv is not None:
                 self.drafter_kv.start(new.req_id, new.num_computed_tokens)
         for cached in sched.scheduled_cached_reqs:
@@ -239,7 +283,7 @@ class ModelRunner:
             if state.mrope is not None:
                 image_positions.append((starts[-1], state.mrope.range(start, start + n)))
             if state.mm_features and start < state.mm_features[-1].end:
-                for rows, embeds in self._image_embeds(state, start, start + n, starts[-1]):
+                for rows, embeds in self._image_embeds_or_blank(state, start, start + n, starts[-1]):
                     image_rows.extend(rows)
                     image_embeds.append(embeds)
             slots.extend(slot_ids(state.block_ids, start, start + n, self.block_size))
@@ -272,6 +316,22 @@ class ModelRunner:
     def layout_positions(self, index: torch.Tensor) -> torch.Tensor:
         """[N] absolute indices → the model's layout: [N], or [3, N] under M-RoPE (text: equal rows)."""
         return index.expand(3, -1) if self.uses_mrope else index
+
+    def _image_embeds_or_blank(self, state: CachedRequestState, start: int, end: int, first_row: int):
+        """_image_embeds, or zeros in the same rows for a request whose image fails to encode (it fails alone:
+        the step's other requests need the rows filled)."""
+        try:
+            return self._image_embeds(state, start, end, first_row)
+        except Exception as exc:  # noqa: BLE001 - its image's fault: this request fails alone
+            self._fail(state.req_id, exc, "image")
+            out = []
+            for f in state.mm_features:
+                lo, hi = max(start, f.offset), min(end, f.end)
+                if lo < hi:
+                    out.append((range(first_row + lo - start, first_row + hi - start),
+                                torch.zeros(hi - lo, self.model.config.hidden_size, dtype=self.model.dtype)))
+            state.encoder_outputs.clear()
+            return out
 
     def _image_embeds(self, state: CachedRequestState, start: int, end: int, first_row: int):
         """[(batch rows, embeddings [len(rows), hidden])] of the image placeholders among tokens start..end-1,
@@ -310,7 +370,8 @@ class ModelRunner:
         meta = self._sampling_metadata(batch.sample_req_ids)
         spec, lp = batch.spec_decode_metadata, None
         # structured outputs: the grammar's allowed tokens at every sampled or verified row
-        masks = self.grammars.logits_masks(batch.sample_req_ids, batch.draft_token_ids) if self.grammars else []
+        masks = (self.grammars.logits_masks(batch.sample_req_ids, batch.draft_token_ids, self._grammar_failed)
+                 if self.grammars else [])
         if meta.argmax_only:  # greedy without penalties or logprobs: the argmax alone, not the logits
             targets = self.model.greedy_tokens(hidden, self.grammars.allowed_rows(masks, hidden.shape[0],
                                                                                     self.vocab_size) if masks else None)
@@ -336,7 +397,7 @@ class ModelRunner:
             sampled[rid] = toks
             self.requests[rid].append(toks)
             if rid in self.grammars:
-                self.grammars.accept(rid, toks)
+                self.grammars.accept(rid, toks, self._grammar_failed)
         logprobs = self._logprob_entries(batch.sample_req_ids, tokens, lp) if lp else {}
         return sampled, logprobs
 
@@ -364,14 +425,42 @@ class ModelRunner:
         if self.proposer is None:
             return None
         calibrating = not self.draft_policy.drafts_this_step(len(batch.req_ids))
-        states = [self.requests[rid] for rid in batch.sample_req_ids]
+        states = [self.requests[rid] for rid in batch.sample_req_ids if self._may_draft(rid)]
         forced = self._forced_drafts(states) if self.grammars else {}
         # a plain calibration step leaves seeded requests alone: their drafts depend on their own history only
         plans = [[] if (calibrating and s.generator is None) or s.req_id in forced else self._draft_plan(s)
                  for s in states]
         if not any(plans) and self.proposer.needs.target_states is not TargetStates.ALL:
             return forced  # nothing pays: no drafting work (a drafter that keeps state catches up when it next drafts)
-        inputs = self._build_draft_inputs(batch, sampled, hidden, aux, plans)
+        inputs = self._build_draft_inputs(batch, sampled, hidden, aux, states, plans)
+        try:
+            return {**self._propose(batch, inputs), **forced}
+        except Exception:  # noqa: BLE001 - drafts are an optimisation: a failing drafter never fails a request
+            logger.exception("the drafter failed; its %d requests of this step go on without drafts",
+                             len(inputs.req_ids))
+            self.finished_since_draft |= inputs.finished_req_ids  # not delivered: told again next call
+            self._stop_drafting(inputs.req_ids)
+            return {rid: d for rid, d in forced.items() if rid not in self.failed}
+
+    def _may_draft(self, req_id: str) -> bool:
+        """Not a request that failed this step, nor one the drafter failed on."""
+        return req_id not in self.failed and req_id not in self.undrafted
+
+    def _stop_drafting(self, req_ids: list[str]) -> None:
+        """Plain decoding for these requests to their end; the drafter drops its state of them on its next
+        call, as if they had finished."""
+        for rid in req_ids:
+            self.undrafted.add(rid)
+            self.finished_since_draft.add(rid)
+            self.draft_probs.pop(rid, None)
+            self.draft_sources.pop(rid, None)
+            self.draft_policy.forget(rid)
+            if self.drafter_kv is not None:
+                self.drafter_kv.forget(rid)
+
+    def _propose(self, batch: InputBatch, inputs: DraftInputs) -> dict[str, list[int]]:
+        """The proposer's drafts for `inputs`, cut where a grammar refuses them, with what the policy learns
+        from the call (timings, shadow drafts)."""
         start = time.perf_counter()
         drafts = self.proposer.propose(inputs)
         for rid, option, num_drafts, num_accepted in drafts.shadow_records or ():
@@ -387,14 +476,14 @@ class ModelRunner:
                 self.draft_probs[rid] = drafts.probs[i]
             if drafts.sources is not None and drafts.sources[i] is not None:
                 self.draft_sources[rid] = drafts.sources[i]
-        return {**{rid: d for rid, d in zip(inputs.req_ids, drafts.token_ids) if d}, **forced}
+        return {rid: d for rid, d in zip(inputs.req_ids, drafts.token_ids) if d}
 
     def _forced_drafts(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
         """Drafts no drafter is needed for: the tokens a request's grammar forces next (the tokenizer's
         spelling of the forced text, which verification nearly always accepts), up to its draft length."""
         forced = {}
         for state in states:
-            tokens = self.grammars.forced_tokens(state.req_id, self._max_drafts(state))
+            tokens = self.grammars.forced_tokens(state.req_id, self._max_drafts(state), self._grammar_failed)
             if tokens:
                 forced[state.req_id] = tokens
                 self.forced_drafts.add(state.req_id)
@@ -417,7 +506,8 @@ class ModelRunner:
         states = self.proposer.needs.target_states
         row_of = {rid: i for i, rid in enumerate(batch.req_ids)}
         num_drafts = dict(zip(batch.sample_req_ids, map(len, batch.draft_token_ids)))
-        req_ids = batch.req_ids if states is TargetStates.ALL else batch.sample_req_ids
+        req_ids = [rid for rid in (batch.req_ids if states is TargetStates.ALL else batch.sample_req_ids)
+                   if self._may_draft(rid)]
         index, cu = [], [0]
         for rid in req_ids:
             start, end = batch.query_start_loc[row_of[rid]], batch.query_start_loc[row_of[rid] + 1]
@@ -427,10 +517,10 @@ class ModelRunner:
         return list(req_ids), index, cu
 
     def _build_draft_inputs(self, batch: InputBatch, sampled: dict[str, list[int]], hidden: torch.Tensor,
-                            aux, plans: list[list[tuple[int, int]]]) -> DraftInputs:
-        """What the proposer declared it needs, for the requests that got tokens this step."""
-        req_ids = batch.sample_req_ids
-        states = [self.requests[rid] for rid in req_ids]
+                            aux, states: list[CachedRequestState], plans: list[list[tuple[int, int]]]) -> DraftInputs:
+        """What the proposer declared it needs, for `states`: the requests that got tokens this step and may
+        draft."""
+        req_ids = [s.req_id for s in states]
         finished, self.finished_since_draft = self.finished_since_draft, set()
         inputs = DraftInputs(
             req_ids=list(req_ids),

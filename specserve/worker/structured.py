@@ -3,7 +3,11 @@ it samples or verifies, advancing by the tokens it accepts, and shaping its draf
 grammar refuses; the tokens the grammar forces, drafted for free)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+OnError = Callable[[str, Exception], None]  # (request, its grammar's error): the runner fails that request alone
 
 
 class GrammarRequests:
@@ -18,25 +22,33 @@ class GrammarRequests:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.matchers
 
-    def start(self, req_id: str, compiled, output_token_ids: list[int]) -> None:
+    def start(self, req_id: str, compiled, output_token_ids: list[int], on_error: OnError) -> None:
         """A new (or resumed) request: a fresh matcher, advanced over the outputs it already has."""
         from specserve.structured.grammar import GrammarMatcher
 
-        matcher = GrammarMatcher(compiled)
-        _advance(matcher, list(output_token_ids), req_id)
-        self.matchers[req_id] = matcher
+        self.matchers[req_id] = GrammarMatcher(compiled)
+        self.accept(req_id, list(output_token_ids), on_error)
 
     def forget(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
 
-    def logits_masks(self, req_ids: list[str], drafts: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
+    def logits_masks(self, req_ids: list[str], drafts: list[list[int]], on_error: OnError
+                     ) -> list[tuple[int, torch.Tensor]]:
         """[(first logits row, allowed [n + 1, vocab] bool)] of the constrained requests among req_ids,
-        whose logits rows are laid out n + 1 per request with n drafts (1 without drafts)."""
+        whose logits rows are laid out n + 1 per request with n drafts (1 without drafts). A request whose
+        matcher fails, or whose grammar allows no next token, goes to `on_error` and is masked no more."""
         masks, row = [], 0
         for rid, d in zip(req_ids, drafts):
             matcher = self.matchers.get(rid)
             if matcher is not None:
-                masks.append((row, matcher.allowed_masks(d) if d else matcher.allowed_mask().unsqueeze(0)))
+                try:
+                    allowed = matcher.allowed_masks(d) if d else matcher.allowed_mask().unsqueeze(0)
+                    if not allowed.any(dim=1).all():
+                        raise ValueError("the grammar allows no next token")
+                    masks.append((row, allowed))
+                except Exception as exc:  # noqa: BLE001 - the matcher's failure is this request's alone
+                    self.forget(rid)
+                    on_error(rid, exc)
             row += len(d) + 1
         return masks
 
@@ -72,20 +84,32 @@ class GrammarRequests:
 
         return allowed
 
-    def accept(self, req_id: str, token_ids: list[int]) -> None:
+    def accept(self, req_id: str, token_ids: list[int], on_error: OnError) -> None:
         matcher = self.matchers.get(req_id)
-        if matcher is not None:
+        if matcher is None:
+            return
+        try:
             _advance(matcher, token_ids, req_id)
+        except Exception as exc:  # noqa: BLE001 - the matcher's failure is this request's alone
+            self.forget(req_id)
+            on_error(req_id, exc)
 
     def allowed_prefix(self, req_id: str, draft_ids: list[int]) -> int:
         """How many leading drafts the request's grammar allows (all, for an unconstrained request)."""
         matcher = self.matchers.get(req_id)
         return len(draft_ids) if matcher is None else matcher.validate(draft_ids)
 
-    def forced_tokens(self, req_id: str, max_tokens: int) -> list[int]:
+    def forced_tokens(self, req_id: str, max_tokens: int, on_error: OnError) -> list[int]:
         """The next tokens the request's grammar leaves no choice about (at most max_tokens)."""
         matcher = self.matchers.get(req_id)
-        return matcher.forced_tokens(max_tokens) if matcher is not None and max_tokens > 0 else []
+        if matcher is None or max_tokens <= 0:
+            return []
+        try:
+            return matcher.forced_tokens(max_tokens)
+        except Exception as exc:  # noqa: BLE001 - the matcher's failure is this request's alone
+            self.forget(req_id)
+            on_error(req_id, exc)
+            return []
 
 
 def _advance(matcher, token_ids: list[int], req_id: str) -> None:

@@ -229,6 +229,28 @@ def test_bad_image_input_fails_alone(vl, tmp_path):
         assert out.error is not None and __import__("re").search(pattern, out.error), (pattern, out.error)
 
 
+def test_an_image_that_fails_to_encode_fails_its_request_alone(vl, monkeypatch):
+    """The vision encoder raising on one image inside a step (chunked prefill, batched with others) ends that
+    request with the error; the batch's other requests keep their tokens."""
+    _, folder = vl
+    llm = LLM(model=folder, enable_prefix_caching=False, **ENGINE)  # the second run encodes its images again
+    prompts = _prompts()
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    model, encode = llm.llm_engine.model, llm.llm_engine.model.encode_image
+
+    def failing_encode(pixel_values, grid_thw):
+        if tuple(grid_thw) == llm.llm_engine.mm_processor.process(
+                list(prompts[1]["prompt_token_ids"]), prompts[1]["multi_modal_data"])[1][0].grid_thw:
+            raise ValueError("injected image fault")
+        return encode(pixel_values, grid_thw)
+
+    monkeypatch.setattr(model, "encode_image", failing_encode)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert outs[1].error is not None and "injected image fault" in outs[1].error and outs[1].error_from_input
+    assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 1] == reference[:1] + reference[2:]
+    assert llm.get_metrics().num_engine_restarts == 0
+
+
 def test_images_to_a_text_only_model_are_refused(tmp_path):
     folder = save_hf_folder(tiny_hf_model("qwen2"), tmp_path / "text")
     llm = LLM(model=folder, max_model_len=128)

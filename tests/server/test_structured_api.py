@@ -267,6 +267,13 @@ _BAD = [
     ("completions", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nonsense"}}}}, "response_format", ()),
     ("completions", {"guided_json": _SCHEMA, "guided_regex": "a"}, "guided_regex", ("guided_json", "guided_regex")),
+    # grammars that compile but match no string: refused before they reach a step
+    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#"}}}}, "response_format", ("no string matches it",)),
+    ("chat/completions", {"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}}, "structured_outputs",
+     ("no string matches it",)),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "$ref": "#"}}}], "tool_choice": _NAMED}, "tools", ("tools[0].function.parameters", "no string matches it")),
 ]
 
 

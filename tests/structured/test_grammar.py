@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specserve.structured import grammar
-from specserve.structured.grammar import GRAMMAR_KINDS, GrammarCompiler, GrammarMatcher
+from specserve.structured.grammar import GRAMMAR_KINDS, GrammarCompiler, GrammarError, GrammarMatcher
 from specserve.tokenizer import load_tokenizer
 
 EXTRA_IDS = 64  # the model's logits are wider than the tokenizer in some checkpoints
@@ -263,6 +263,31 @@ def test_forced_tokens_spell_the_constant_key(tokenizer, compiler):
 def test_invalid_specs_raise_value_error(compiler, kind, spec, message):
     with pytest.raises(ValueError, match="(?s)" + message):
         compiler.compile(kind, spec)
+
+
+@pytest.mark.parametrize("kind, spec", [
+    ("json", {"$ref": "#"}),  # refers only to itself
+    ("regex", "[^\\x00-\\U0010FFFF]"),  # an empty character class
+    ("grammar", "start: x\nx: x"),  # a rule with no way out
+    ("json", {"anyOf": [{"$ref": "#"}]}),
+])
+def test_grammars_no_string_matches_are_refused_at_compile_time(compiler, kind, spec):
+    """They compile, but a matcher cannot take its first step: a request with one must never reach a step."""
+    with pytest.raises(ValueError, match="no string matches it"):
+        compiler.compile(kind, spec)
+
+
+@pytest.mark.parametrize("kind, spec", [("json", {"type": "object", "properties": {"next": {"$ref": "#"}}}),
+                                        ("grammar", 'start: "a" start | "b"'), ("regex", "^$")])
+def test_recursive_and_empty_string_grammars_that_match_something_compile(compiler, kind, spec):
+    assert compiler.compile(kind, spec).kind == kind
+
+
+def test_a_matcher_in_error_raises_grammar_error(compiler):
+    matcher = GrammarMatcher(compiler.compile("regex", "ab"))
+    matcher._matcher.consume_token(0)  # a token the grammar refuses puts llguidance's matcher in its error state
+    with pytest.raises(GrammarError, match="grammar matcher failed"):
+        matcher.allowed_mask()
 
 
 def test_cache_returns_the_same_compiled_grammar(compiler, monkeypatch):

@@ -79,6 +79,7 @@ class OutputDelta:
     error: str | None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    error_from_input: bool = False
 
 
 @dataclass
@@ -119,7 +120,8 @@ class OutputEncoder:
         if out.finished:
             del self._sent[out.request_id]
         return OutputDelta(out.request_id, completions, out.finished, out.metrics, out.num_cached_tokens, out.error,
-                           out.prompt if first else None, out.prompt_token_ids if first else None)
+                           out.prompt if first else None, out.prompt_token_ids if first else None,
+                           out.error_from_input)
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
@@ -153,9 +155,10 @@ class OutputAssembler:
             c.cumulative_logprob, c.finish_reason, c.stop_reason = d.cumulative_logprob, d.finish_reason, d.stop_reason
         out.outputs = [choices[i] for i in sorted(choices)]
         out.finished, out.metrics = delta.finished, delta.metrics
-        out.num_cached_tokens, out.error = delta.num_cached_tokens, delta.error
+        out.num_cached_tokens, out.error, out.error_from_input = (delta.num_cached_tokens, delta.error,
+                                                                  delta.error_from_input)
         return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [_copy(c) for c in out.outputs],
-                             out.finished, out.metrics, out.num_cached_tokens, out.error)
+                             out.finished, out.metrics, out.num_cached_tokens, out.error, out.error_from_input)
 
 
 def _tail(values: list | None, start: int) -> list | None:

@@ -1,5 +1,6 @@
 """Data parallelism: `specserve serve --data-parallel-size 2` through the official openai client, against the
-offline LLM run alone as the reference; a replica killed mid-run; shutdown leaving no process; the router's
+offline LLM run alone as the reference; a replica killed mid-run; a replica whose step fails resetting its engine in process; shutdown leaving no
+process; the router's
 retry and failure rules on fake engines; and two replicas as Ray actors when Ray is installed."""
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from specserve.config import EngineConfig
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 from specserve.server.api_server import build_app
-from specserve.server.async_engine import EngineDeadError
+from specserve.server.async_engine import EngineDeadError, RequestFailedError
 from specserve.server.metrics import ServerMetrics
 from specserve.server.replicas import ReplicaClient, ReplicaDiedError
 from specserve.server.serving import ServingContext
@@ -250,6 +251,53 @@ def test_router_retries_waiting_requests_fails_streaming_ones_and_503s_with_none
     assert health.status_code == 503 and health.json()["replicas_alive"] == 0
     assert completion.status_code == 503 and "no replica is alive" in completion.json()["error"]["message"]
     assert not multiprocessing.active_children()
+
+
+POISON = "Say zebra-crossing twice."
+
+
+def build_engine_with_a_faulty_step(config):
+    """A replica's real engine whose forward raises once, on the step that prefills POISON."""
+    from specserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(config)
+    forward, poison = engine.model.forward, set(engine.tokenizer.encode(POISON, add_special_tokens=False))
+
+    def faulty_forward(input_ids, *args, **kwargs):
+        if poison and poison <= set(input_ids.tolist()):
+            poison.clear()
+            raise RuntimeError("injected fault in the forward")
+        return forward(input_ids, *args, **kwargs)
+
+    engine.model.forward = faulty_forward
+    return engine
+
+
+def test_a_replica_resets_its_engine_in_process_and_is_not_declared_dead(reference):
+    client = ReplicaClient(EngineConfig(max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES), 1,
+                           engine_factory=build_engine_with_a_faulty_step)
+    client.launch()
+    params = SamplingParams(temperature=0.0, max_tokens=SHORT, ignore_eos=True)
+
+    async def final(request_id: str, prompt: str):
+        last = None
+        async for last in client.generate(request_id, prompt, params):
+            pass
+        return last
+
+    async def run():
+        client.start()
+        poisoned = await asyncio.gather(final("poisoned", POISON), return_exceptions=True)
+        after = await final("after", PROMPTS[0])
+        alive = client.replicas[0].alive
+        await client.shutdown()
+        return poisoned[0], after, alive
+
+    poisoned, after, alive = asyncio.run(asyncio.wait_for(run(), 120))
+    assert isinstance(poisoned, RequestFailedError) and "injected fault in the forward" in str(poisoned)
+    assert after.outputs[0].text == reference(PROMPTS[0], SHORT)
+    assert alive and client.replicas[0].num_failed == 0
+    assert client.replicas[0].snapshot.metrics.num_engine_restarts == 1
 
 
 # ------------------------------------------------------------------------------------------- Ray actors

@@ -1,7 +1,7 @@
 """Data parallelism: `specserve serve --data-parallel-size 2` through the official openai client, against the
-offline LLM run alone as the reference; a replica killed mid-run; a replica whose step fails resetting its engine in process; shutdown leaving no
-process; the router's
-retry and failure rules on fake engines; and two replicas as Ray actors when Ray is installed."""
+offline LLM run alone as the reference; a replica killed mid-run; a replica whose step fails, resetting its
+engine in process; shutdown leaving no process; the router's retry and failure rules on fake engines; and two
+replicas as Ray actors when Ray is installed."""
 from __future__ import annotations
 
 import asyncio

@@ -7,94 +7,27 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from specserve.models.qwen2_vl import MRopePositions
-from specserve.ops.attention import AttentionMetadata, build_attention_metadata, kv_caches, slot_ids
+from specserve.ops.attention import build_attention_metadata, kv_caches, slot_ids
 from specserve.ops.kernels import kernel_usable
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_targets
 from specserve.sample.sampler import Sampler
-from specserve.sample.spec_metadata import SpecDecodeMetadata, build_spec_decode_metadata, logits_indices
+from specserve.sample.spec_metadata import build_spec_decode_metadata, logits_indices
 from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.policy import DraftOption, DraftPolicy
 from specserve.spec_decode.proposer import (DraftInputs, DrafterNeeds, KVCacheSpec, Proposer, TargetInfo,
                                             TargetStates, make_proposer)
 from specserve.types import RequestFailure, SchedulerOutput, max_draft_tokens
 from specserve.worker.calibration import StepCalibrator
+from specserve.worker.input_batch import (CachedRequestState, InputBatch, ModelRunnerOutput, positions_at,
+                                          with_image_positions)
 from specserve.worker.structured import GrammarRequests
 from specserve.worker.threads import ThreadPolicy
 
 logger = logging.getLogger(__name__)
-
-
-def positions_at(positions: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
-    """The one accessor for positions: [N] → [T] and [3, N] → [3, T], always on the token axis."""
-    return positions[..., index]
-
-
-def _with_image_positions(positions: torch.Tensor, image_positions: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """positions [3, N] with the columns of requests whose prompts hold images replaced by their own
-    M-RoPE positions: (first column, [3, n])."""
-    if not image_positions:
-        return positions
-    positions = positions.clone()
-    for first, rows in image_positions:
-        positions[:, first:first + rows.shape[1]] = rows
-    return positions
-
-
-@dataclass
-class CachedRequestState:
-    """What the runner remembers of a request between steps (tokens exclude drafts)."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: object
-    block_ids: list[int]
-    num_computed_tokens: int
-    generator: torch.Generator | None
-    token_ids: list[int] = field(default_factory=list)
-    mm_features: list = field(default_factory=list)  # types.MultiModalFeature per image of the prompt
-    mrope: MRopePositions | None = None  # M-RoPE positions of a prompt with images (None: the index)
-    encoder_outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # image → [length, hidden], until prefilled
-
-    def __post_init__(self) -> None:
-        self.token_ids = self.prompt_token_ids + self.output_token_ids
-
-    def append(self, tokens: list[int]) -> None:
-        self.output_token_ids.extend(tokens)
-        self.token_ids.extend(tokens)
-
-
-@dataclass
-class InputBatch:
-    """One step's flattened inputs. Requests appear in `req_ids` order; `sample_req_ids` subset samples."""
-
-    req_ids: list[str]
-    input_ids: torch.Tensor  # [N]
-    positions: torch.Tensor  # [N] (or [3, N] under M-RoPE)
-    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None  # (rows [R], image embeddings [R, hidden]) or None
-    attn: AttentionMetadata
-    query_start_loc: list[int]  # [B + 1]
-    logits_indices: torch.Tensor  # [M] rows of hidden states the LM head sees
-    sample_req_ids: list[str]  # requests that get tokens this step (prompt complete)
-    draft_token_ids: list[list[int]]  # [len(sample_req_ids)] drafts verified this step (may be empty)
-    spec_decode_metadata: SpecDecodeMetadata | None  # None when no request verifies drafts
-
-
-@dataclass
-class ModelRunnerOutput:
-    req_ids: list[str]
-    sampled_token_ids: dict[str, list[int]]  # empty list for a partial prefill
-    spec_token_ids: dict[str, list[int]] | None
-    logprobs: dict[str, list[dict]] = field(default_factory=dict)  # per output token: {id: (logprob, rank)}
-    draft_source_names: dict[str, str] = field(default_factory=dict)  # the drafter of each of spec_token_ids
-    # requests that failed alone this step (their tokens are meaningless): the engine ends them with the error
-    failed: dict[str, RequestFailure] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -301,7 +234,7 @@ class ModelRunner:
         return InputBatch(
             req_ids=list(sched.req_ids),
             input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=_with_image_positions(self.layout_positions(torch.tensor(positions, dtype=torch.long)),
+            positions=with_image_positions(self.layout_positions(torch.tensor(positions, dtype=torch.long)),
                                             image_positions),
             mm_embeds=(torch.tensor(image_rows, dtype=torch.long), torch.cat(image_embeds)) if image_rows else None,
             attn=attn,
@@ -553,7 +486,7 @@ class ModelRunner:
             inputs.target_positions = positions_at(batch.positions, take)
             inputs.target_hidden_states = hidden[take]
             inputs.aux_hidden_states = [a[take] for a in aux] if aux is not None else None
-            inputs.next_positions = _with_image_positions(
+            inputs.next_positions = with_image_positions(
                 self.layout_positions(torch.tensor([len(s.token_ids) - 1 for s in states], dtype=torch.long)),
                 [(i, s.mrope.range(len(s.token_ids) - 1, len(s.token_ids))) for i, s in enumerate(states)
                  if s.mrope is not None])

@@ -4,7 +4,6 @@ gets (a 400 naming a field, a reply, or a request that fails alone), afterwards 
 plain decoding's output, /health is 200 and the engine never had to reset itself."""
 from __future__ import annotations
 
-import json
 
 import httpx
 import pytest

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.sample.keyed import keyed_uniform
 from specserve.sampling_params import SamplingParams
 
 
@@ -36,7 +37,7 @@ class SamplingMetadata:
     output_ids_padded: torch.Tensor | None  # [B, max_output_len] int64, padded with vocab_size
     min_tokens_rows: torch.Tensor | None  # [K] int64: logits[rows[k], ids[k]] is set to -inf
     min_tokens_token_ids: torch.Tensor | None  # [K] int64
-    generators: dict[int, torch.Generator]  # random seeded rows only
+    seeds: dict[int, int]  # random seeded rows only: row -> seed
     max_num_logprobs: int | None  # None: no row wants logprobs
     params: list[SamplingParams]
     prompt_token_ids: list[list[int]]
@@ -50,18 +51,18 @@ class SamplingMetadata:
         params: list[SamplingParams],
         output_token_ids: list[list[int]],
         prompt_token_ids: list[list[int]],
-        generators: list[torch.Generator | None],
+        seeds: list[int | None],
         eos_token_ids: list[set[int]] | set[int],
         vocab_size: int,
     ) -> SamplingMetadata:
-        """Batch the rows' parameters; `generators[i]` is row i's seeded generator or None.
+        """Batch the rows' parameters; `seeds[i]` is row i's seed or None.
 
         `eos_token_ids` is one set shared by all rows or one set per row.
         """
         n = len(params)
         if isinstance(eos_token_ids, (set, frozenset)):
             eos_token_ids = [eos_token_ids] * n
-        if not (len(output_token_ids) == len(prompt_token_ids) == len(generators)
+        if not (len(output_token_ids) == len(prompt_token_ids) == len(seeds)
                 == len(eos_token_ids) == n):
             raise ValueError(f"build needs one entry per row in every list (got {n} params)")
         greedy = [p.is_greedy for p in params]
@@ -85,7 +86,7 @@ class SamplingMetadata:
             **(penalties or dict.fromkeys(_PENALTY_FIELDS)),
             min_tokens_rows=min_rows,
             min_tokens_token_ids=min_ids,
-            generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
+            seeds={i: s for i, s in enumerate(seeds) if s is not None and not greedy[i]},
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
                                  default=None),
             params=list(params),
@@ -93,6 +94,12 @@ class SamplingMetadata:
             output_token_ids=list(output_token_ids),
             eos_token_ids=list(eos_token_ids),
         )
+
+    def seeded_uniforms(self, offset: int = 0) -> dict[int, float]:
+        """{row: its uniform} of the seeded rows: `keyed_uniform(seed, position)`, the position being the
+        row's output length (plus `offset`, a drafter's step ahead of the history it was given)."""
+        return {row: keyed_uniform(seed, len(self.output_token_ids[row]) + offset)
+                for row, seed in self.seeds.items()}
 
     @property
     def argmax_only(self) -> bool:
@@ -104,7 +111,7 @@ class SamplingMetadata:
     def expand_for_verification(self, draft_token_ids: list[list[int]]) -> SamplingMetadata:
         """Repeat request i's row len(drafts[i]) + 1 times; its row j sees output + drafts[:j].
 
-        The last row of each request is the bonus position; seeded rows share their request's generator.
+        The last row of each request is the bonus position; seeded rows keep their request's seed.
         """
         if len(draft_token_ids) != self.num_rows:
             raise ValueError(f"need drafts for {self.num_rows} requests, got {len(draft_token_ids)}")
@@ -116,7 +123,7 @@ class SamplingMetadata:
             [self.params[i] for i in rows],
             outputs,
             [self.prompt_token_ids[i] for i in rows],
-            [self.generators.get(i) for i in rows],
+            [self.seeds.get(i) for i in rows],
             [self.eos_token_ids[i] for i in rows],
             self.vocab_size,
         )

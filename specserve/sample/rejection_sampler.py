@@ -14,10 +14,12 @@ the drafter's distribution, one-hot at d_j when the drafter reports no probabili
 Each request emits its accepted drafts plus one recovered or bonus token: 1 to n + 1 tokens, each
 distributed exactly as the target alone would sample it (the paper's Theorem 1).
 
-Draw order of a seeded request with n drafts, all from its own generator: n uniforms
-(`torch.rand(n)`, all n even when an early draft is rejected), then one float64 uniform for the
-inverse-CDF draw that picks the recovered or bonus token (`random_sample`). Batch-mates never touch
-it, and with n = 0 the draw is exactly the Sampler's, so such a request gets the Sampler's token.
+Seeded requests are verified by coupling instead: the target's own draw at each output position, the
+inverse-CDF sample of p_j with the uniform `keyed_uniform(seed, position)`, is what the Sampler would emit
+there, and a draft is accepted exactly when it equals that draw; the first draw that differs, or the bonus
+draw, is emitted. A fixed draft d is then accepted with probability p_j(d), as with q one-hot above, and the
+tokens are the ones plain decoding emits with the same seed, whatever the drafter, its drafts or the batch
+(a model drafter draws its drafts from the same uniforms, so a good one still agrees often).
 """
 
 from __future__ import annotations
@@ -80,8 +82,7 @@ class RejectionSampler:
         if expanded.all_greedy:
             num_accepted, final = _verify_greedy(logits, expanded, drafts, layout)
         else:
-            num_accepted, final = _verify_random(logits, expanded, drafts, draft_probs, layout,
-                                                 meta.generators)
+            num_accepted, final = _verify_random(logits, expanded, drafts, draft_probs, layout)
         accepted = num_accepted.tolist()
         token_ids = [d[:a] + [t] for d, a, t in zip(per_request, accepted, final.tolist())]
         logprobs = None
@@ -123,9 +124,8 @@ def _verify_greedy(logits: torch.Tensor, expanded: SamplingMetadata, drafts: tor
 
 
 def _verify_random(logits: torch.Tensor, expanded: SamplingMetadata, drafts: torch.Tensor,
-                   draft_probs: list[torch.Tensor | None] | None, layout: _Layout,
-                   generators: dict[int, torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(num_accepted [B], final token [B]) by speculative sampling.
+                   draft_probs: list[torch.Tensor | None] | None, layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_accepted [B], final token [B]) by speculative sampling, and by coupling for seeded requests.
 
     Greedy rows need no special case: their p is one-hot at the argmax, so a draft is accepted iff it
     is the argmax, and the recovered and bonus draws both return the argmax.
@@ -133,13 +133,28 @@ def _verify_random(logits: torch.Tensor, expanded: SamplingMetadata, drafts: tor
     probs = compute_probs(logits, expanded)  # [T_d + B, V]
     p_draft = probs[layout.draft_rows, drafts]  # [T_d]
     q_draft = _q_at_drafts(draft_probs, drafts, layout.num_drafts.tolist())  # [T_d]
-    u = _uniforms(layout, generators)  # [T_d]
     # u < p/q, written without the division: q(d) >= p(d) accepts with probability p/q, q(d) < p(d)
     # always accepts, and p(d) == 0 (a draft outside top-k/top-p) never does.
-    num_accepted = _count_accepted(u * q_draft < p_draft, layout)
-    final_dist = probs[layout.row_starts + num_accepted]  # [B, V], the bonus row unless rejected
+    accept = torch.rand(len(drafts)) * q_draft < p_draft  # [T_d]
+    seeded_draw = _seeded_draws(probs, expanded)  # [T_d + B], -1 on rows of unseeded requests
+    at_draft = seeded_draw[layout.draft_rows]
+    accept = torch.where(at_draft >= 0, drafts == at_draft, accept)
+    num_accepted = _count_accepted(accept, layout)
+    final_rows = layout.row_starts + num_accepted  # [B], the bonus row unless a draft was rejected
+    final_dist = probs[final_rows]  # [B, V]
     _turn_into_recovery(final_dist, num_accepted, layout, drafts, draft_probs)
-    return num_accepted, random_sample(final_dist, generators)
+    final = random_sample(final_dist, {})
+    return num_accepted, torch.where(seeded_draw[final_rows] >= 0, seeded_draw[final_rows], final)
+
+
+def _seeded_draws(probs: torch.Tensor, expanded: SamplingMetadata) -> torch.Tensor:
+    """[rows] int64: on each seeded row the token the Sampler draws there (its keyed uniform), else -1."""
+    draws = torch.full((probs.shape[0],), -1, dtype=torch.int64)
+    uniforms = expanded.seeded_uniforms()
+    if uniforms:
+        rows = torch.tensor(list(uniforms), dtype=torch.int64)
+        draws[rows] = random_sample(probs[rows], dict(enumerate(uniforms.values())))
+    return draws
 
 
 def _q_at_drafts(draft_probs: list[torch.Tensor | None] | None, drafts: torch.Tensor,
@@ -171,18 +186,6 @@ def _turn_into_recovery(final_dist: torch.Tensor, num_accepted: torch.Tensor, la
         residual = (p - q).clamp_min(0.0)
         # All zero only when p == q up to rounding; p itself is then the right law.
         final_dist[rows] = torch.where((residual.sum(dim=-1) > 0)[:, None], residual, p)
-
-
-def _uniforms(layout: _Layout, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """[T_d] U[0, 1) per draft; a seeded request draws all of its n uniforms from its own generator."""
-    num_drafts = layout.num_drafts.tolist()
-    u = torch.rand(len(layout.draft_rows)) if len(generators) < len(num_drafts) \
-        else torch.empty(len(layout.draft_rows))
-    for i, gen in generators.items():
-        if num_drafts[i]:
-            start = int(layout.draft_starts[i])
-            u[start:start + num_drafts[i]] = torch.rand(num_drafts[i], generator=gen)
-    return u
 
 
 def _count_accepted(accept: torch.Tensor, layout: _Layout) -> torch.Tensor:

@@ -42,7 +42,7 @@ class Sampler:
             sampled = argmax_rows(penalised)
         else:
             # Greedy rows come out one-hot, so the race returns their argmax too.
-            sampled = random_sample(_probs_from_penalised(penalised, meta), meta.generators)
+            sampled = random_sample(_probs_from_penalised(penalised, meta), meta.seeded_uniforms())
         logprobs = None
         if meta.max_num_logprobs is not None:
             logprobs = gather_logprobs(logits, sampled, meta.max_num_logprobs)
@@ -73,17 +73,18 @@ def compute_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return _probs_from_penalised(apply_penalties_and_masks(logits, meta), meta)
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def random_sample(probs: torch.Tensor, uniforms: dict[int, float]) -> torch.Tensor:
     """Inverse-CDF sampling: one uniform u per row picks the first token whose cumulative mass exceeds u.
 
-    One draw per row instead of V (an exponential race over 49k tokens costs ~100x more here). Seeded
-    rows draw their uniform from their own generator, so batch-mates never change their tokens.
+    One draw per row instead of V (an exponential race over 49k tokens costs ~100x more here). `uniforms`
+    fixes u for some rows (seeded requests: `keyed_uniform` of their seed and output position), so their
+    tokens depend on nothing else; the other rows draw from torch's global generator.
     """
     num_rows = probs.shape[0]
-    u = torch.rand(num_rows, dtype=torch.float64) if len(generators) < num_rows else \
+    u = torch.rand(num_rows, dtype=torch.float64) if len(uniforms) < num_rows else \
         torch.empty(num_rows, dtype=torch.float64)
-    for row, gen in generators.items():
-        u[row] = torch.rand((), dtype=torch.float64, generator=gen)
+    for row, value in uniforms.items():
+        u[row] = value
     cdf = probs.double().cumsum(dim=-1)  # [B, V]; float64 so 49k additions keep their precision
     target = (u * cdf[:, -1]).unsqueeze(1)  # [B, 1], strictly below each row's total mass
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)

@@ -60,7 +60,7 @@ class DraftModelProposer:
         if not rows:
             return Drafts([[] for _ in inputs.req_ids])
         logits = self._catch_up(inputs, kv, rows)  # [len(rows), vocab], one row per drafting request
-        return draft_chains(inputs, rows, logits, lambda live, state, allowed: self._draw(inputs, live, state, allowed),
+        return draft_chains(inputs, rows, logits, lambda *args: self._draw(inputs, *args),
                             lambda live, last, step: self._advance(inputs, kv, live, last, step))
 
     # ---- forward passes ------------------------------------------------------------------
@@ -102,12 +102,12 @@ class DraftModelProposer:
         positions = self._positions(inputs, [(i, p, p + 1) for i, p in zip(rows, index)])
         return self._forward(kv, last_tokens, positions, [1] * len(rows), [p + 1 for p in index], tables)
 
-    def _draw(self, inputs: DraftInputs, rows: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None
-              ) -> tuple[list[int], torch.Tensor | None]:
+    def _draw(self, inputs: DraftInputs, rows: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None,
+              step: int = 0) -> tuple[list[int], torch.Tensor | None]:
         """logits: [len(rows), vocab] -> one draft per row (where the grammar allows, given allowed), and q
         where any row samples."""
         meta = draft_sampling_metadata(inputs, rows, self.model.config.vocab_size)
-        return draw(meta, lambda: argmax_rows(logits), lambda: logits, allowed)
+        return draw(meta, lambda: argmax_rows(logits), lambda: logits, allowed, step)
 
 
 class _TargetKV:

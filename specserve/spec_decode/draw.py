@@ -19,16 +19,18 @@ def draft_sampling_metadata(inputs: DraftInputs, rows: list[int], vocab_size: in
         params=[inputs.sampling_params[i] for i in rows],
         output_token_ids=[inputs.token_ids[i][inputs.num_prompt_tokens[i]:] for i in rows],
         prompt_token_ids=[inputs.token_ids[i][: inputs.num_prompt_tokens[i]] for i in rows],
-        generators=[inputs.generators[i] for i in rows],
+        seeds=[inputs.seeds[i] for i in rows],
         eos_token_ids=set(),
         vocab_size=vocab_size,
     )
 
 
 def draw(meta: SamplingMetadata, argmax: Callable[[], torch.Tensor], logits: Callable[[], torch.Tensor],
-         allowed: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
+         allowed: torch.Tensor | None = None, step: int = 0) -> tuple[list[int], torch.Tensor | None]:
     """argmax() -> [rows] token ids; logits() -> [rows, vocab] over the target vocabulary; allowed: None, or
-    [rows, vocab] bool (structured output: drafts only where the grammar allows, q renormalised there).
+    [rows, vocab] bool (structured output: drafts only where the grammar allows, q renormalised there);
+    step: the draft's index in its chain. A seeded row draws with the uniform the target will draw with at
+    the same position, so the draft is the target's own draw wherever q is close to p.
     Returns the drafts and, unless every row is greedy, q [rows, vocab] (greedy rows one-hot)."""
     if allowed is None and meta.all_greedy:
         return argmax().tolist(), None
@@ -36,25 +38,25 @@ def draw(meta: SamplingMetadata, argmax: Callable[[], torch.Tensor], logits: Cal
     if meta.all_greedy:
         return argmax_rows(scores).tolist(), None
     probs = compute_probs(scores, meta)
-    return random_sample(probs, meta.generators).tolist(), probs
+    return random_sample(probs, meta.seeded_uniforms(step)).tolist(), probs
 
 
 def draft_chains(inputs: DraftInputs, rows: list[int], state: torch.Tensor,
-                 draw_rows: Callable[[list[int], torch.Tensor, torch.Tensor | None], tuple[list[int], torch.Tensor | None]],
+                 draw_rows: Callable[[list[int], torch.Tensor, torch.Tensor | None, int],
+                                     tuple[list[int], torch.Tensor | None]],
                  advance: Callable[[list[int], list[int], int], torch.Tensor]) -> Drafts:
     """Up to num_drafts[i] drafts for each request i in `rows`, one token a step.
 
     state: [len(rows), ...] what the first draft is drawn from (logits, or a head's hidden states);
-    draw_rows(live, state, allowed) -> (one token per live row, q or None), allowed being None or the
+    draw_rows(live, state, allowed, step) -> (one token per live row, q or None), allowed being None or the
     grammar's [len(live), vocab] mask after each row's drafts so far; advance(live, last tokens, step) -> the
-    next state of the live rows, after feeding each its newest draft. Only rows still drafting draw, so a
-    seeded request's draws never depend on its batch-mates.
+    next state of the live rows, after feeding each its newest draft.
     """
     drafts: list[list[int]] = [[] for _ in inputs.req_ids]
     step_probs: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
     live, step = rows, 0
     while live:
-        tokens, p = draw_rows(live, state, _allowed(inputs, live, drafts))
+        tokens, p = draw_rows(live, state, _allowed(inputs, live, drafts), step)
         for j, i in enumerate(live):
             drafts[i].append(tokens[j])
             if p is not None:

@@ -75,9 +75,9 @@ class EagleProposer:
             return Drafts([[] for _ in inputs.req_ids])
         outputs = {}  # row -> the head's output it drafts from next
 
-        def draw_rows(live: list[int], g: torch.Tensor, allowed: torch.Tensor | None):
+        def draw_rows(live: list[int], g: torch.Tensor, allowed: torch.Tensor | None, step: int):
             outputs.update(zip(live, g))
-            return self._draw(inputs, live, g, allowed)
+            return self._draw(inputs, live, g, allowed, step)
 
         def advance(live: list[int], last_tokens: list[int], step: int) -> torch.Tensor:
             g = torch.stack([outputs[i] for i in live])
@@ -140,9 +140,10 @@ class EagleProposer:
         meta = kv.metadata([1] * len(rows), [p + 1 for p in index], tables)
         return self.head.forward(torch.tensor(last_tokens), g, positions, meta, kv.caches[0])
 
-    def _draw(self, inputs: DraftInputs, rows: list[int], g: torch.Tensor, allowed: torch.Tensor | None = None
-              ) -> tuple[list[int], torch.Tensor | None]:
+    def _draw(self, inputs: DraftInputs, rows: list[int], g: torch.Tensor, allowed: torch.Tensor | None = None,
+              step: int = 0) -> tuple[list[int], torch.Tensor | None]:
         """g: [len(rows), H] -> one draft per row (target ids; where the grammar allows, given allowed), and q
         where any row samples."""
         meta = draft_sampling_metadata(inputs, rows, self.head.vocab_size)
-        return draw(meta, lambda: self.head.greedy_tokens(g), lambda: self.head.logits_in_target_vocab(g), allowed)
+        return draw(meta, lambda: self.head.greedy_tokens(g), lambda: self.head.logits_in_target_vocab(g), allowed,
+                    step)

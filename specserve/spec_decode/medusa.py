@@ -37,11 +37,12 @@ class MedusaProposer:
         states = self.heads.head_states(inputs.target_hidden_states[last])  # [K, len(rows), H]
         head_probs: dict[int, list[torch.Tensor]] = {}
         for k in range(max(inputs.num_drafts[i] for i in rows)):
-            # only requests wanting a k-th draft draw one, so seeded draws never depend on batch-mates
+            # only requests wanting a k-th draft draw one
             live = [j for j, i in enumerate(rows) if inputs.num_drafts[i] > k]
             state = states[k][torch.tensor(live)]
             meta = draft_sampling_metadata(inputs, [rows[j] for j in live], self.heads.vocab_size)
-            tokens, q = draw(meta, lambda: self.heads.head_argmax(k, state), lambda: self.heads.head_logits(k, state))
+            tokens, q = draw(meta, lambda: self.heads.head_argmax(k, state), lambda: self.heads.head_logits(k, state),
+                             step=k)
             for n, j in enumerate(live):
                 drafts[rows[j]].append(tokens[n])
                 if q is not None and not inputs.sampling_params[rows[j]].is_greedy:

@@ -138,7 +138,7 @@ class DraftOption:
 
     name: str
     max_drafts: int  # its num_speculative_tokens
-    # proposer seconds per draft token in plain steps, until measured (seeded requests always use it)
+    # proposer seconds per draft token in plain steps, until measured
     prior_drafting_cost: float = 0.0
 
 
@@ -165,7 +165,7 @@ class DraftPolicy:
         self.drafted_at = [0] * len(self.options)  # per option, the step of its last timed drafting
         self.step_index = 0
         # per option, cost(k) for k = 0..max_drafts: the same for every request of a step, so computed once
-        # per (seeded, requests running, measurements that moved a price), and every STALE_AFTER steps
+        # per (requests running, measurements that moved a price), and every STALE_AFTER steps
         self._tables: tuple[tuple, list[list[float]], bool] | None = None
         self._measured = 0  # measurements seen that moved a price
 
@@ -227,21 +227,19 @@ class DraftPolicy:
             return self.step_costs.samples.get(1, 0) >= StepCosts.MIN_SAMPLES
         return not self.batch_fit.lacks_spread()
 
-    def plan(self, req_id: str, max_k: int, seeded: bool = False) -> list[tuple[int, int]]:
+    def plan(self, req_id: str, max_k: int) -> list[tuple[int, int]]:
         """[(option, number of drafts)] for this step, best first; [] to decode plainly.
 
         max_k caps every option (the request's own num_speculative_tokens, room left in max_model_len).
-        seeded: the request samples from its own generator, whose draws depend on how many drafts each
-        step verifies; it then follows the prior costs only, so its output depends on its own history alone
-        and not on timings or batch-mates."""
+        Seeded requests are planned like the others: their tokens do not depend on what is drafted."""
         caps = [min(o.max_drafts, max_k) for o in self.options]
         if not self.adaptive:
             return [(i, k) for i, k in enumerate(caps) if k > 0]
-        tables, any_pays = self._cost_tables(seeded)
+        tables, any_pays = self._cost_tables()
         if not any_pays:
             return []  # not even drafts that are always accepted would repay their cost (nor would a probe)
-        least = self._least_gain(seeded)
-        stats = self._request_stats(req_id, seeded)
+        least = self._least_gain()
+        stats = self._request_stats(req_id)
         scored = []
         for i, cap in enumerate(caps):
             if cap <= 0:
@@ -258,20 +256,20 @@ class DraftPolicy:
             used = scored[0][1] if scored else -1
             for i, s in enumerate(stats):
                 if i != used:  # toward what the option does for other requests lately
-                    s.relax(PRIOR_ACCEPTANCE if seeded else self.engine_stats[i].rate)
+                    s.relax(self.engine_stats[i].rate)
         if scored:
             self.idle_steps[req_id] = 0
             return [(i, k) for _, i, k in scored]
         return self._probe(req_id, caps, tables)
 
-    def _least_gain(self, seeded: bool) -> float:
+    def _least_gain(self) -> float:
         """Expected tokens per unit of cost a draft must promise: more than plain decoding, with a margin
         when several requests share the step."""
-        return 1.0 if seeded or self.num_running <= 1 else BATCH_MIN_GAIN
+        return 1.0 if self.num_running <= 1 else BATCH_MIN_GAIN
 
-    def num_drafts(self, req_id: str, max_k: int, seeded: bool = False) -> int:
+    def num_drafts(self, req_id: str, max_k: int) -> int:
         """The draft length of a one-option policy (0: decode plainly this step)."""
-        plan = self.plan(req_id, max_k, seeded)
+        plan = self.plan(req_id, max_k)
         return plan[0][1] if plan else 0
 
     def _probe(self, req_id: str, caps: list[int], tables: list[list[float]]) -> list[tuple[int, int]]:
@@ -288,20 +286,18 @@ class DraftPolicy:
             return [(cheapest, 1)]
         return []
 
-    def _request_stats(self, req_id: str, seeded: bool = False) -> list[AcceptanceStats]:
+    def _request_stats(self, req_id: str) -> list[AcceptanceStats]:
         stats = self.stats.get(req_id)
         if stats is None:
-            stats = self.stats[req_id] = [AcceptanceStats(accepted=self._start_rate(i, seeded) * PRIOR_WEIGHT)
+            stats = self.stats[req_id] = [AcceptanceStats(accepted=self._start_rate(i) * PRIOR_WEIGHT)
                                           for i in range(len(self.options))]
         return stats
 
-    def _start_rate(self, option: int, seeded: bool) -> float:
+    def _start_rate(self, option: int) -> float:
         """A new request starts from the engine's own recent acceptance when that beats the prior. Among
         several options it starts from the engine's rate for each once that is measured: an optimistic
         start would have every new request try the lookups (often accepted ~30% here) before the drafter
         that is accepted ~95%."""
-        if seeded:
-            return PRIOR_ACCEPTANCE
         engine = self.engine_stats[option]
         if len(self.options) > 1 and engine.trials >= MEASURED_TRIALS:
             return engine.rate
@@ -315,18 +311,18 @@ class DraftPolicy:
             return prior
         return prior + (seconds / plain_seconds - prior) * staleness(self.step_index - self.drafted_at[option])
 
-    def _cost_tables(self, seeded: bool) -> tuple[list[list[float]], bool]:
+    def _cost_tables(self) -> tuple[list[list[float]], bool]:
         """Per option, cost(k) for k = 0..its max_drafts (drafting and verifying k tokens, in plain steps);
         with them, whether any option would pay if all its drafts were accepted."""
         # stale prices drift slowly (STALE_KEEP a step): rebuilding every STALE_AFTER steps follows them
-        key = (seeded, self.num_running, self._measured, self.step_index // STALE_AFTER)
+        key = (self.num_running, self._measured, self.step_index // STALE_AFTER)
         if self._tables is None or self._tables[0] != key:
-            verify = (lambda k: 1.0 + self.cost_per_draft * k) if seeded else self._verify_cost()
+            verify = self._verify_cost()
             tables = []
             for i, option in enumerate(self.options):
-                cost = self._option_cost(i, verify, seeded)
+                cost = self._option_cost(i, verify)
                 tables.append([cost(k) for k in range(option.max_drafts + 1)])
-            least = self._least_gain(seeded)
+            least = self._least_gain()
             self._tables = (key, tables, any(max_tokens_per_cost(t, len(t) - 1) >= least for t in tables))
         return self._tables[1], self._tables[2]
 
@@ -341,11 +337,8 @@ class DraftPolicy:
             per_draft = self.num_running * row / (1.0 + self.num_running * row)
         return lambda k: 1.0 + per_draft * k
 
-    def _option_cost(self, option: int, verify: Callable[[int], float], seeded: bool) -> Callable[[int], float]:
+    def _option_cost(self, option: int, verify: Callable[[int], float]) -> Callable[[int], float]:
         """cost(k) of drafting k tokens with `option` and verifying them, in plain steps."""
-        if seeded:
-            drafting = self.options[option].prior_drafting_cost
-        else:
-            plain = self.step_costs.seconds.get(1) if self.num_running == 1 else self.batch_fit.share(self.num_running)
-            drafting = self._drafting_cost(option, plain)
+        plain = self.step_costs.seconds.get(1) if self.num_running == 1 else self.batch_fit.share(self.num_running)
+        drafting = self._drafting_cost(option, plain)
         return lambda k: verify(k) + drafting * k

@@ -73,7 +73,7 @@ class DraftInputs:
     # fit in max_model_len.
     num_drafts: list[int]
     sampling_params: list  # [B] SamplingParams
-    generators: list[torch.Generator | None]  # [B] seeded requests' generators
+    seeds: list[int | None]  # [B] seeded requests' seeds (their draws: sample.keyed.keyed_uniform)
     max_model_len: int
     # Target states of the processed tokens (rejected draft tails dropped), flattened over R requests;
     # empty for a drafter that declares TargetStates.NONE:

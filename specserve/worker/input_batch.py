@@ -38,7 +38,7 @@ class CachedRequestState:
     sampling_params: object
     block_ids: list[int]
     num_computed_tokens: int
-    generator: torch.Generator | None
+    seed: int | None  # a seeded request's draws are keyed by (seed, position): sample/keyed.py
     token_ids: list[int] = field(default_factory=list)
     mm_features: list = field(default_factory=list)  # types.MultiModalFeature per image of the prompt
     mrope: MRopePositions | None = None  # M-RoPE positions of a prompt with images (None: the index)

@@ -55,7 +55,6 @@ class ModelRunner:
         self.drafter_kv: DrafterKVCache | None = None
         self.attention_kernel = kernel_usable(model.dtype)
         self.requests: dict[str, CachedRequestState] = {}
-        self.generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler()
         self.thread_policy = ThreadPolicy()
         self.rejection_sampler = RejectionSampler()
@@ -80,7 +79,7 @@ class ModelRunner:
         no single request owns. The KV tensors stay: no block table refers to their contents any more. The
         draft policy keeps this machine's measured step prices (a new engine calibrates them before its
         first request), nothing else."""
-        for state in (self.requests, self.generators, self.draft_probs, self.draft_sources, self.forced_drafts,
+        for state in (self.requests, self.draft_probs, self.draft_sources, self.forced_drafts,
                       self.finished_since_draft, self.undrafted, self.failed):
             state.clear()
         self.grammars = GrammarRequests()
@@ -171,11 +170,10 @@ class ModelRunner:
                     self.finished_since_draft.add(rid)
                 self.undrafted.discard(rid)
                 self.draft_policy.forget(rid)
-                self.generators.pop(rid, None)
         for new in sched.scheduled_new_reqs:
             state = self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens, self._generator(new.req_id, new.sampling_params),
+                list(new.block_ids), new.num_computed_tokens, getattr(new.sampling_params, "seed", None),
                 mm_features=list(new.mm_features))
             if state.mm_features:
                 try:
@@ -190,15 +188,6 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
-
-    def _generator(self, req_id: str, params) -> torch.Generator | None:
-        """Seeded requests draw from their own generator, kept across preemption."""
-        seed = getattr(params, "seed", None)
-        if seed is None:
-            return None
-        if req_id not in self.generators:
-            self.generators[req_id] = torch.Generator().manual_seed(seed)
-        return self.generators[req_id]
 
     # ---- inputs -------------------------------------------------------------------------
     def prepare_inputs(self, sched: SchedulerOutput) -> InputBatch:
@@ -289,7 +278,7 @@ class ModelRunner:
             params=[s.sampling_params for s in states],
             output_token_ids=[s.output_token_ids for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
-            generators=[s.generator for s in states],
+            seeds=[s.seed for s in states],
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
         )
@@ -360,8 +349,7 @@ class ModelRunner:
         calibrating = not self.draft_policy.drafts_this_step(len(batch.req_ids))
         states = [self.requests[rid] for rid in batch.sample_req_ids if self._may_draft(rid)]
         forced = self._forced_drafts(states) if self.grammars else {}
-        # a plain calibration step leaves seeded requests alone: their drafts depend on their own history only
-        plans = [[] if (calibrating and s.generator is None) or s.req_id in forced else self._draft_plan(s)
+        plans = [[] if calibrating or s.req_id in forced else self._draft_plan(s)
                  for s in states]
         if not any(plans) and self.proposer.needs.target_states is not TargetStates.ALL:
             return forced  # nothing pays: no drafting work (a drafter that keeps state catches up when it next drafts)
@@ -425,7 +413,7 @@ class ModelRunner:
     def _draft_plan(self, state: CachedRequestState) -> list[tuple[int, int]]:
         """The policy's [(option, number of drafts)] within the request's draft length, from its recent
         acceptance and the measured costs."""
-        return self.draft_policy.plan(state.req_id, self._max_drafts(state), seeded=state.generator is not None)
+        return self.draft_policy.plan(state.req_id, self._max_drafts(state))
 
     def _max_drafts(self, state: CachedRequestState) -> int:
         """The engine's k, lowered (or turned off with 0) per request by SamplingParams, within max_model_len."""
@@ -464,7 +452,7 @@ class ModelRunner:
             num_drafts=[plan[0][1] if plan else 0 for plan in plans],
             draft_plans=plans,
             sampling_params=[s.sampling_params for s in states],
-            generators=[s.generator for s in states],
+            seeds=[s.seed for s in states],
             max_model_len=self.max_model_len,
             finished_req_ids=finished,
             drafter_kv=self.drafter_kv,

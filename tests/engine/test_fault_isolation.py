@@ -37,7 +37,7 @@ def _assert_fresh(engine) -> None:
     assert all(b.ref_cnt == 0 and b.block_hash is None for b in pool.blocks)
     assert not engine.scheduler.running and not engine.scheduler.requests and not engine.kv_cache_manager.req_blocks
     runner = engine.runner
-    assert not runner.requests and not runner.draft_probs and not runner.generators and not runner.undrafted
+    assert not runner.requests and not runner.draft_probs and not runner.undrafted
     assert not runner.grammars and not runner.draft_policy.stats
 
 

@@ -1,6 +1,8 @@
 """RejectionSampler against references: obvious greedy cases, penalised argmax computed in Python, the
 target distribution computed in numpy (statistical), the plain Sampler, and raw-logits log_softmax."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -17,10 +19,10 @@ EOS = 9
 GREEDY = SamplingParams(temperature=0)
 
 
-def build(params, outputs=None, prompts=None, gens=None, vocab=V):
+def build(params, outputs=None, prompts=None, vocab=V):
     n = len(params)
     return SamplingMetadata.build(params, outputs or [[] for _ in range(n)],
-                                  prompts or [[] for _ in range(n)], gens or [None] * n, {EOS}, vocab)
+                                  prompts or [[] for _ in range(n)], [p.seed for p in params], {EOS}, vocab)
 
 
 def spec_for(drafts):
@@ -37,8 +39,8 @@ def peaked_logits(targets, vocab=V):
     return logits
 
 
-def verify(drafts, logits, params, draft_probs=None, gens=None, outputs=None, prompts=None):
-    meta = build(params, outputs=outputs, prompts=prompts, gens=gens, vocab=logits.shape[1])
+def verify(drafts, logits, params, draft_probs=None, outputs=None, prompts=None):
+    meta = build(params, outputs=outputs, prompts=prompts, vocab=logits.shape[1])
     return RejectionSampler()(spec_for(drafts), logits, meta, draft_probs)
 
 
@@ -91,7 +93,7 @@ def test_logits_rows_follow_logits_indices_in_any_order():
     params = [SamplingParams(temperature=0.7, seed=s, logprobs=2) for s in range(5)]
     outs = []
     for sp, lg in ((ref_spec, logits), (spec, logits[perm])):
-        meta = build(params, gens=[torch.Generator().manual_seed(s) for s in range(5)])
+        meta = build(params)
         outs.append(RejectionSampler()(sp, lg, meta))
     assert outs[0].token_ids == outs[1].token_ids
     assert torch.equal(outs[0].logprobs.logprobs, outs[1].logprobs.logprobs)
@@ -159,8 +161,9 @@ BATCH = 8_000
 NUM_BATCHES = 3
 
 
-def _emit_many(params, logits, draft_q, seed):
-    """NUM_BATCHES x BATCH identical requests, k = K; drafts fixed (q one-hot) or sampled from draft_q."""
+def _emit_many(params, logits, draft_q, seed, seeded=False):
+    """NUM_BATCHES x BATCH identical requests, k = K; drafts fixed (q one-hot) or sampled from draft_q;
+    seeded: each request with a seed of its own (verified by coupling)."""
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     # Fixed drafts, q one-hot: the likeliest tokens (the bonus is often reached), a second-best first
@@ -169,7 +172,9 @@ def _emit_many(params, logits, draft_q, seed):
     patterns = [ranked[:, 0].tolist(), [ranked[0, 1]] + ranked[1:, 0].tolist(),
                 [ranked[0, -1]] + ranked[1:, 0].tolist()]
     all_tokens, all_drafts = [], []
-    for _ in range(NUM_BATCHES):
+    for b in range(NUM_BATCHES):
+        batch = [replace(params, seed=seed * 10**6 + b * BATCH + i) for i in range(BATCH)] if seeded \
+            else [params] * BATCH
         if draft_q is None:
             drafts, probs = [[int(t) for t in patterns[i % 3]] for i in range(BATCH)], None
         else:
@@ -177,12 +182,13 @@ def _emit_many(params, logits, draft_q, seed):
             q_rows = torch.tensor(draft_q, dtype=torch.float32)
             probs = [q_rows] * BATCH
         flat_logits = torch.tensor(logits, dtype=torch.float32).repeat(BATCH, 1)
-        out = verify(drafts, flat_logits, [params] * BATCH, probs)
+        out = verify(drafts, flat_logits, batch, probs)
         all_tokens += out.token_ids
         all_drafts += drafts
     return all_tokens, all_drafts
 
 
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
 @pytest.mark.parametrize("with_q", [False, True], ids=["one-hot-q", "draft-probs"])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.8),
@@ -190,7 +196,7 @@ def _emit_many(params, logits, draft_q, seed):
     SamplingParams(temperature=0.9, top_p=0.7),
     SamplingParams(temperature=1.1, top_k=6, top_p=0.85, min_p=0.05),
 ], ids=["temperature", "top-k", "top-p", "all"])
-def test_emitted_tokens_follow_the_target_distribution(params, with_q):
+def test_emitted_tokens_follow_the_target_distribution(params, with_q, seeded):
     gen = np.random.default_rng(17)
     logits = gen.normal(scale=1.5, size=(K + 1, V))
     target = np.stack([ref_probs(row, params) for row in logits])  # [K + 1, V]
@@ -199,7 +205,7 @@ def test_emitted_tokens_follow_the_target_distribution(params, with_q):
         q = np.exp(gen.normal(scale=1.5, size=(K, V)))
         draft_q = q / q.sum(axis=1, keepdims=True)
         assert tv(draft_q[0], target[0]) > 5 * tv_bound(NUM_BATCHES * BATCH), "q too close to p to tell"
-    tokens, drafts = _emit_many(params, logits, draft_q, seed=3)
+    tokens, drafts = _emit_many(params, logits, draft_q, seed=3, seeded=seeded)
 
     for toks, d in zip(tokens, drafts):  # shape invariant: an accepted prefix, then one token
         assert 1 <= len(toks) <= K + 1 and toks[:-1] == d[:len(toks) - 1]
@@ -240,12 +246,11 @@ MINE = SamplingParams(temperature=1.0, seed=1234)
 
 
 def _seeded_tokens(batch_params, drafts, mine_row, logits, with_q):
-    """Tokens of row `mine_row` with generators freshly created from each param's seed."""
-    gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in batch_params]
+    """Tokens of row `mine_row`; q (when given) random for the other rows, uniform for it."""
     q = [torch.softmax(torch.randn(len(d), V), -1) for d in drafts] if with_q else None
     if q is not None:
         q[mine_row] = torch.full((len(drafts[mine_row]), V), 1.0 / V)
-    return verify(drafts, logits, batch_params, q, gens=gens).token_ids[mine_row]
+    return verify(drafts, logits, batch_params, q).token_ids[mine_row]
 
 
 @pytest.mark.parametrize("with_q", [False, True])
@@ -271,25 +276,39 @@ def test_seeded_request_ignores_batch_mates(with_q):
     assert len(outcomes) > 1, "the seed should matter"
 
 
-def test_request_without_drafts_matches_the_sampler_for_the_same_seed():
-    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(2))
-    params = SamplingParams(temperature=0.9, top_k=7, seed=5)
-    for step in range(10):
-        expected = Sampler()(logits, build([params], gens=[torch.Generator().manual_seed(step)]))
-        batch = [params, SamplingParams(seed=3)]
-        gens = [torch.Generator().manual_seed(step), torch.Generator().manual_seed(3)]
-        mixed = torch.cat([logits, torch.randn(3, V)])
-        got = verify([[], [1, 2]], mixed, batch, gens=gens)
-        assert got.token_ids[0] == [expected.sampled_token_ids.item()]
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_p=0.8, seed=5),
+                                    SamplingParams(temperature=0.7, top_k=4, seed=6)], ids=["top-p", "top-k"])
+def test_seeded_tokens_are_the_samplers_whatever_the_drafts(params):
+    """Per output position fixed logits (a model whose next-token law depends on the position only): plain
+    sampling one token a step, and verification of any drafts (right, wrong, with or without q), emit the same
+    tokens at every position they reach."""
+    num_positions = 12
+    logits = torch.randn(num_positions + 8, V, generator=torch.Generator().manual_seed(3))
+    plain = []
+    for pos in range(num_positions):
+        plain += Sampler()(logits[pos:pos + 1], build([params], outputs=[plain])).sampled_token_ids.tolist()
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        out = []
+        while len(out) < num_positions:
+            n = int(rng.integers(0, 5))
+            right = plain[len(out):len(out) + n]
+            drafts = [t if rng.random() < 0.6 else int(rng.integers(V)) for t in right]
+            q = [torch.softmax(torch.randn(len(drafts), V), -1)] if trial % 2 and drafts else None
+            rows = logits[len(out):len(out) + len(drafts) + 1]
+            out += verify([drafts], rows, [params], q, outputs=[list(out)]).token_ids[0]
+        assert out[:num_positions] == plain, trial
 
 
-def test_seeded_draw_order_is_n_uniforms_then_one_inverse_cdf_uniform():
-    gen = torch.Generator().manual_seed(77)
-    verify([[1, 2, 3]], torch.randn(4, V), [SamplingParams(seed=77)], gens=[gen])
-    ref = torch.Generator().manual_seed(77)
-    torch.rand(3, generator=ref)
-    torch.rand((), dtype=torch.float64, generator=ref)
-    assert torch.equal(gen.get_state(), ref.get_state())
+def test_a_fixed_draft_is_accepted_as_often_as_rejection_sampling_accepts_it():
+    """Coupling accepts a fixed draft d exactly when the target's draw is d: with probability p(d), as the
+    rejection sampler with q one-hot does."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -1.0, -2.0, -2.0, -3.0, -3.0]] * 2)
+    p1 = float(torch.softmax(logits[0], -1)[1])
+    n = 6000
+    seeded = [verify([[1]], logits, [SamplingParams(temperature=1.0, seed=s)]).token_ids[0] for s in range(n)]
+    accepted = sum(len(t) == 2 for t in seeded) / n
+    assert abs(accepted - p1) < 4 * np.sqrt(p1 * (1 - p1) / n)
 
 
 # ---- logprobs -----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from specserve.sample.keyed import keyed_uniform
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import (Sampler, apply_penalties_and_masks, compute_probs,
                                       random_sample)
@@ -16,10 +17,10 @@ EOS = 7
 BASE_LOGITS = np.array([2.0, 1.4, 1.0, 0.3, 0.0, -0.6, -1.2, -2.0])
 
 
-def build(params, outputs=None, prompts=None, gens=None, eos=frozenset({EOS}), vocab=V):
+def build(params, outputs=None, prompts=None, eos=frozenset({EOS}), vocab=V):
     n = len(params)
     return SamplingMetadata.build(params, outputs or [[] for _ in range(n)],
-                                  prompts or [[] for _ in range(n)], gens or [None] * n,
+                                  prompts or [[] for _ in range(n)], [p.seed for p in params],
                                   set(eos), vocab)
 
 
@@ -124,13 +125,16 @@ def test_mixed_parameters_per_row():
 # ---- seeds ----------------------------------------------------------------------------------
 
 def _seeded_run(batch_params, seeded_row, num_steps=6):
-    """Tokens of `seeded_row` over num_steps with fresh generators built from each param's seed."""
-    gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in batch_params]
+    """Tokens of `seeded_row` over num_steps, its output growing by one token a step."""
     logits = torch.randn(len(batch_params), 64)  # batch-mates' logits differ from run to run
     logits[seeded_row] = torch.randn(64, generator=torch.Generator().manual_seed(9))
-    meta = SamplingMetadata.build(batch_params, [[]] * len(batch_params), [[]] * len(batch_params),
-                                  gens, {0}, 64)
-    return [Sampler()(logits, meta).sampled_token_ids[seeded_row].item() for _ in range(num_steps)]
+    outputs = [[] for _ in batch_params]
+    for _ in range(num_steps):
+        meta = SamplingMetadata.build(batch_params, [list(o) for o in outputs], [[]] * len(batch_params),
+                                      [p.seed for p in batch_params], {0}, 64)
+        for row, token in enumerate(Sampler()(logits, meta).sampled_token_ids.tolist()):
+            outputs[row].append(token)
+    return outputs[seeded_row]
 
 
 def test_seeded_row_ignores_batch_mates():
@@ -146,8 +150,9 @@ def test_seeded_row_ignores_batch_mates():
 
 def test_random_sample_seeded_rows_are_reproducible():
     probs = torch.full((3, 16), 1 / 16)
-    draw = lambda: random_sample(probs, {1: torch.Generator().manual_seed(5)})[1].item()
+    draw = lambda: random_sample(probs, {1: keyed_uniform(5, 0)})[1].item()
     assert len({draw() for _ in range(5)}) == 1
+    assert random_sample(probs, {0: 0.0, 2: 1.0 - 2 ** -53}).tolist()[::2] == [0, 15]
     one_hot = torch.nn.functional.one_hot(torch.tensor([3, 0, 15]), 16).float()
     assert random_sample(one_hot, {}).tolist() == [3, 0, 15]
 
@@ -190,14 +195,15 @@ def test_expand_for_verification_histories_and_rows():
     params = [SamplingParams(repetition_penalty=1.5, min_tokens=3, seed=11),
               SamplingParams(temperature=0, frequency_penalty=0.5)]
     outputs, prompts = [[4, 5], [6]], [[1], [2, 3]]
-    gen = torch.Generator().manual_seed(11)
-    meta = build(params, outputs, prompts, gens=[gen, None])
+    meta = build(params, outputs, prompts)
     drafts = [[1, 2, 3], []]
     ex = meta.expand_for_verification(drafts)
     assert ex.num_rows == 5 and ex.num_rows_per_request == [4, 1]
     assert ex.output_token_ids == [[4, 5], [4, 5, 1], [4, 5, 1, 2], [4, 5, 1, 2, 3], [6]]
     assert ex.prompt_token_ids == [[1]] * 4 + [[2, 3]]
-    assert all(ex.generators[r] is gen for r in range(4)) and 4 not in ex.generators
+    assert ex.seeds == {0: 11, 1: 11, 2: 11, 3: 11}
+    # row j of a request sits at output position len(output) + j: its keyed uniform is that position's
+    assert ex.seeded_uniforms() == {r: keyed_uniform(11, 2 + r) for r in range(4)}
     assert ex.min_tokens_rows.tolist() == [0], "only row 0 has fewer than 3 outputs"
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(4))
     got = apply_penalties_and_masks(logits, ex)

@@ -185,7 +185,7 @@ def test_auto_hands_a_request_to_the_next_option_when_a_lookup_finds_nothing(tar
     proposer.proposers = [suffix, ngram]
     inputs = DraftInputs(req_ids=["a", "b"], sampled_token_ids=[[1], [2]], next_token_ids=[1, 2],
                          token_ids=[[3, 1], [4, 2]], num_prompt_tokens=[1, 1], num_drafts=[5, 5],
-                         sampling_params=[SamplingParams(temperature=0)] * 2, generators=[None, None],
+                         sampling_params=[SamplingParams(temperature=0)] * 2, seeds=[None, None],
                          max_model_len=64, draft_plans=[[(0, 5), (1, 8)], [(0, 5), (1, 8)]],
                          finished_req_ids={"gone"})
     out = proposer.propose(inputs)
@@ -198,7 +198,7 @@ def test_auto_hands_a_request_to_the_next_option_when_a_lookup_finds_nothing(tar
     ngram.calls.clear()
     later = DraftInputs(req_ids=["a", "b"], sampled_token_ids=[[5, 6, 9], [8, 9, 4]], next_token_ids=[9, 4],
                         token_ids=[[3, 1, 5, 6, 9], [4, 2, 8, 9, 4]], num_prompt_tokens=[1, 1], num_drafts=[5, 5],
-                        sampling_params=[SamplingParams(temperature=0)] * 2, generators=[None, None],
+                        sampling_params=[SamplingParams(temperature=0)] * 2, seeds=[None, None],
                         max_model_len=64, draft_plans=[[(0, 5), (1, 8)], [(0, 5), (1, 8)]])
     out = proposer.propose(later)
     assert out.token_ids == [[5, 6], [8, 9]] and out.sources == [0, 1]

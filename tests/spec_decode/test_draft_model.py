@@ -79,7 +79,7 @@ def test_a_draft_model_that_skips_steps_catches_up_and_drafts_as_from_scratch(tm
     runner = llm.llm_engine.runner
     counts: dict[str, int] = {}
 
-    def every_third_step(req_id, max_k, seeded=False):
+    def every_third_step(req_id, max_k):
         counts[req_id] = counts.get(req_id, 0) + 1
         return [(0, min(3, max_k))] if counts[req_id] % 3 == 0 and max_k > 0 else []
 

@@ -474,7 +474,7 @@ def test_a_request_that_skips_drafting_resumes_as_the_reference(case, llama, tmp
     written = write_drafter(case, str(tmp_path), llama.hf)
     counts: dict[str, int] = {}
 
-    def every_third_step(req_id, max_k, seeded=False):
+    def every_third_step(req_id, max_k):
         counts[req_id] = counts.get(req_id, 0) + 1
         return [(0, min(K, max_k))] if counts[req_id] % 3 == 0 and max_k > 0 else []
 

@@ -20,7 +20,7 @@ def make_inputs(req_ids, token_ids, num_drafts, max_model_len=1 << 20, finished=
         num_prompt_tokens=[1] * len(req_ids), num_drafts=list(num_drafts), target_token_ids=empty,
         target_positions=empty, target_hidden_states=torch.zeros(0, 1), aux_hidden_states=None,
         cu_num_tokens=[0] * (len(req_ids) + 1), sampling_params=[None] * len(req_ids),
-        generators=[None] * len(req_ids), max_model_len=max_model_len, finished_req_ids=set(finished))
+        seeds=[None] * len(req_ids), max_model_len=max_model_len, finished_req_ids=set(finished))
 
 
 def proposer(k=4, lo=2, hi=5):

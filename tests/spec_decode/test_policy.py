@@ -42,7 +42,7 @@ def test_an_expensive_drafter_probes_less_often():
 
 def test_new_requests_start_from_the_engines_acceptance_when_it_beats_the_prior():
     """A drafter costing 65% of a step does not pay at the prior's 60% acceptance, but does at the 85% its
-    earlier requests showed; a seeded request keeps the prior, and a poor engine rate changes nothing."""
+    earlier requests showed; a poor engine rate changes nothing."""
     def policy_with_history(accepted_of_4):
         policy = _policy_with_measured_costs({n: 0.02 for n in range(1, 10)})
         policy.observe_drafting(4, 4 * 0.013)
@@ -52,7 +52,6 @@ def test_new_requests_start_from_the_engines_acceptance_when_it_beats_the_prior(
 
     good = policy_with_history(4)
     assert good.num_drafts("new", 4) > 0
-    assert good.num_drafts("seeded", 4, seeded=True) == best_num_drafts(0.6, 4)  # the prior, fixed cost
     poor = policy_with_history(0)
     assert poor.engine_stats[0].rate < 0.1 and poor.num_drafts("new", 4) == 0
     assert poor.stats["new"][0].rate == pytest.approx(0.6)
@@ -96,14 +95,6 @@ def test_unmeasured_sizes_and_batched_steps_use_the_prior():
     for _ in range(10):
         policy.record("r", 5, 5)
     assert policy.num_drafts("r", 5) == 5
-
-
-def test_seeded_requests_ignore_measured_costs():
-    policy = _policy_with_measured_costs({1: 0.02, **{n: 0.1 for n in range(2, 10)}})  # drafting measured as 5x
-    for _ in range(10):
-        policy.record("r", 8, 4)
-    assert policy.num_drafts("r", 8) == 0  # not worth it as measured...
-    assert policy.num_drafts("r", 8, seeded=True) == best_num_drafts(policy.stats["r"][0].rate, 8) > 0  # ...prior
 
 
 def test_batched_steps_draft_only_while_the_step_is_not_compute_bound():

@@ -58,7 +58,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.thread_policy = ThreadPolicy()
         self.rejection_sampler = RejectionSampler()
-        self.draft_probs: dict[str, torch.Tensor] = {}  # [n, vocab] of drafts awaiting verification
+        # per request, the drafts awaiting verification with their q [n, vocab], and the option that drafted
+        # them: both live one step (verified next step, or dropped by the scheduler)
+        self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}
         self.draft_sources: dict[str, int] = {}  # the policy option that made the drafts awaiting verification
         self.finished_since_draft: set[str] = set()
         self.grammars = GrammarRequests()
@@ -291,6 +293,8 @@ class ModelRunner:
             return sampled, {}
         meta = self._sampling_metadata(batch.sample_req_ids)
         spec, lp = batch.spec_decode_metadata, None
+        awaiting = {rid: (self.draft_probs.pop(rid, None), self.draft_sources.pop(rid, 0))
+                    for rid in batch.sample_req_ids}
         # structured outputs: the grammar's allowed tokens at every sampled or verified row
         masks = (self.grammars.logits_masks(batch.sample_req_ids, batch.draft_token_ids, self._grammar_failed)
                  if self.grammars else [])
@@ -303,17 +307,14 @@ class ModelRunner:
             out = self.sampler(self.grammars.apply(self.model.compute_logits(hidden), masks), meta)
             tokens, lp = [[t] for t in out.sampled_token_ids.tolist()], out.logprobs
         else:
-            probs = [self.draft_probs.pop(rid, None) for rid in batch.sample_req_ids]
-            probs = [p[: len(d)] if p is not None else None for p, d in zip(probs, batch.draft_token_ids)]
+            probs = [_q_of(awaiting[rid][0], d) for rid, d in zip(batch.sample_req_ids, batch.draft_token_ids)]
             out = self.rejection_sampler(spec, self.grammars.apply(self.model.compute_logits(hidden), masks), meta,
                                          probs if any(p is not None for p in probs) else None)
             tokens, lp = out.token_ids, out.logprobs
         if spec is not None:
             for rid, drafts, toks in zip(batch.sample_req_ids, batch.draft_token_ids, tokens):
-                self.draft_probs.pop(rid, None)
-                source = self.draft_sources.pop(rid, 0)
                 if drafts and rid not in self.forced_drafts:  # forced drafts teach the policy nothing
-                    self.draft_policy.record(rid, len(drafts), len(toks) - 1, source)
+                    self.draft_policy.record(rid, len(drafts), len(toks) - 1, awaiting[rid][1])
         self.forced_drafts.difference_update(batch.sample_req_ids)
         for rid, toks in zip(batch.sample_req_ids, tokens):
             sampled[rid] = toks
@@ -394,7 +395,7 @@ class ModelRunner:
             if rid in self.grammars:  # no verification spent on a token the grammar refuses
                 drafts.token_ids[i] = drafts.token_ids[i][:self.grammars.allowed_prefix(rid, drafts.token_ids[i])]
             if drafts.probs is not None and drafts.probs[i] is not None and drafts.token_ids[i]:
-                self.draft_probs[rid] = drafts.probs[i]
+                self.draft_probs[rid] = (drafts.token_ids[i], drafts.probs[i])
             if drafts.sources is not None and drafts.sources[i] is not None:
                 self.draft_sources[rid] = drafts.sources[i]
         return {rid: d for rid, d in zip(inputs.req_ids, drafts.token_ids) if d}
@@ -481,3 +482,12 @@ class ModelRunner:
         if needs.reads_target_kv:
             inputs.target_kv_caches = self.kv_caches
         return inputs
+
+
+def _q_of(awaiting: tuple[list[int], torch.Tensor] | None, drafts: list[int]) -> torch.Tensor | None:
+    """[len(drafts), vocab] q of the drafts being verified, when they are (a prefix of) the drafts it came
+    with; None (q one-hot) for drafts that came without one."""
+    if awaiting is None or not drafts:
+        return None
+    ids, q = awaiting
+    return q[:len(drafts)] if ids[:len(drafts)] == drafts else None

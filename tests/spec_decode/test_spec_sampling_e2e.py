@@ -170,3 +170,41 @@ def check_first_tokens_follow_the_target(hf, target: str, spec: dict, sampling: 
     p_value = chi_square_p_value(counts, exact_distribution(hf, wrong))
     assert p_value < ALPHA, f"the test cannot tell the target from a 25% hotter one (p = {p_value:.2g})"
     return m
+
+
+def test_draft_probabilities_belong_to_their_drafts(tiny_pair, monkeypatch):
+    """A model drafter's drafts (with q) are dropped by the scheduler in a step that verifies nothing; the
+    drafts of that step come without q (as a lookup's or a grammar's do). Their verification must see q
+    one-hot, never the old drafts' q."""
+    _, target, draft = tiny_pair
+    llm = LLM(model=target, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+                                                "adaptive_draft_length": False}, max_model_len=128, block_size=8)
+    engine = llm.llm_engine
+    schedule, propose, verify = engine.scheduler.schedule, engine.runner.proposer.propose, engine.runner.rejection_sampler
+    steps, seen = [], []
+
+    def dropping_schedule():
+        steps.append(None)
+        if len(steps) == 4:  # the drafts of step 3 (with q) are dropped: nothing is verified in step 4
+            for request in engine.scheduler.running:
+                request.spec_token_ids = []
+        return schedule()
+
+    def proposing(inputs):
+        drafts = propose(inputs)
+        if len(steps) == 4:  # step 4's drafts come without probabilities, as a lookup's do
+            drafts = dataclasses.replace(drafts, probs=None)
+        return drafts
+
+    def recording(spec, logits, meta, draft_probs=None):
+        seen.append((len(steps), draft_probs))
+        return verify(spec, logits, meta, draft_probs)
+
+    monkeypatch.setattr(engine.scheduler, "schedule", dropping_schedule)
+    monkeypatch.setattr(engine.runner.proposer, "propose", proposing)
+    monkeypatch.setattr(engine.runner, "rejection_sampler", recording)
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True,
+                                                                     seed=0), use_tqdm=False)
+    by_step = dict(seen)
+    assert 4 not in by_step and by_step[3] is not None  # step 3 verified with q; step 4 verified nothing
+    assert by_step[5] is None  # step 5 verifies step 4's drafts, which came without q

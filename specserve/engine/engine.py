@@ -80,9 +80,12 @@ class LLMEngine:
     def _build_scheduler(self, num_blocks: int) -> None:
         """An empty block pool and prefix cache, and a scheduler with no request."""
         needs = self.runner.drafter_needs
+        reads_all_states = needs is not None and needs.target_states is TargetStates.ALL
+        drafter_kv = self.runner.drafter_kv
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching,
-            recompute_last_hit_block=needs is not None and needs.target_states is TargetStates.ALL)
+            recompute_last_hit_block=reads_all_states,
+            block_usable=drafter_kv.has_block if reads_all_states and drafter_kv is not None else None)
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.max_model_len, self.runner.num_lookahead_tokens),
                                    self.kv_cache_manager)

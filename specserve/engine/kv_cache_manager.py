@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.engine.request import Request
@@ -127,16 +128,19 @@ class KVCacheManager:
     """Maps requests to blocks; prefix caching by a hash chain over full, verified blocks."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 recompute_last_hit_block: bool = False) -> None:
+                 recompute_last_hit_block: bool = False, block_usable: Callable[[int], bool] | None = None) -> None:
         """recompute_last_hit_block: a prefix hit leaves its last block to compute. For drafters whose KV
         slot p pairs the target's state of token p with token p + 1 (EAGLE), a cached block's last slot
         holds the token that followed it in the request that filled it; recomputing the block gives this
-        request's own pairing (and the target's state of the last hit token, which the drafter needs)."""
+        request's own pairing (and the target's state of the last hit token, which the drafter needs).
+        block_usable: block id -> whether a hit may use it (a drafter that needs the target's states of every
+        token it lacks KV for: the hit stops at the first cached block without the drafter's KV)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.recompute_last_hit_block = recompute_last_hit_block
+        self.block_usable = block_usable
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -173,7 +177,7 @@ class KVCacheManager:
         blocks = []
         for block_hash in request.block_hashes[: max_hit_tokens // self.block_size]:
             block = self.pool.get_cached_block(block_hash)
-            if block is None:
+            if block is None or (self.block_usable is not None and not self.block_usable(block.block_id)):
                 break
             blocks.append(block)
         if self.recompute_last_hit_block and blocks:

@@ -14,6 +14,16 @@ def _splitmix64(z: int) -> int:
 
 
 def keyed_uniform(seed: int, position: int) -> float:
-    """U[0, 1) fixed by (seed, output position) alone: a counter-based draw, so a seeded request's token at
-    a position is the same whatever was drafted, verified or batched before it."""
+    """U[0, 1) fixed by (seed, position) alone: a counter-based draw, so a seeded request's token at a
+    position is the same whatever was drafted, verified or batched before it."""
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 11) * 2.0 ** -53
+
+
+def keyed_uniforms(seed: int, position: int, count: int) -> list[float]:
+    """`count` independent keyed uniforms for one output position (one per level of sampler.tree_sample)."""
+    return [keyed_uniform(seed, (position << 6) | level) for level in range(count)]
+
+
+def tree_levels(vocab_size: int) -> int:
+    """Levels of the binary tree over token ids that sampler.tree_sample descends."""
+    return max(1, (vocab_size - 1).bit_length())

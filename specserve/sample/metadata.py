@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.sample.keyed import keyed_uniform
+from specserve.sample.keyed import keyed_uniforms, tree_levels
 from specserve.sampling_params import SamplingParams
 
 
@@ -95,10 +95,12 @@ class SamplingMetadata:
             eos_token_ids=list(eos_token_ids),
         )
 
-    def seeded_uniforms(self, offset: int = 0) -> dict[int, float]:
-        """{row: its uniform} of the seeded rows: `keyed_uniform(seed, position)`, the position being the
-        row's output length (plus `offset`, a drafter's step ahead of the history it was given)."""
-        return {row: keyed_uniform(seed, len(self.output_token_ids[row]) + offset)
+    def seeded_uniforms(self, offset: int = 0) -> dict[int, list[float]]:
+        """{row: its keyed uniforms} of the seeded rows, one per level of `tree_sample`: keyed by the seed and
+        the position, the row's output length (plus `offset`, a drafter's step ahead of the history it was
+        given)."""
+        levels = tree_levels(self.vocab_size)
+        return {row: keyed_uniforms(seed, len(self.output_token_ids[row]) + offset, levels)
                 for row, seed in self.seeds.items()}
 
     @property

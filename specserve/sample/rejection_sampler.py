@@ -15,8 +15,8 @@ Each request emits its accepted drafts plus one recovered or bonus token: 1 to n
 distributed exactly as the target alone would sample it (the paper's Theorem 1).
 
 Seeded requests are verified by coupling instead: the target's own draw at each output position, the
-inverse-CDF sample of p_j with the uniform `keyed_uniform(seed, position)`, is what the Sampler would emit
-there, and a draft is accepted exactly when it equals that draw; the first draw that differs, or the bonus
+`tree_sample` of p_j with the uniforms keyed by (seed, position), is what the Sampler would emit there, and a
+draft is accepted exactly when it equals that draw; the first draw that differs, or the bonus
 draw, is emitted. A fixed draft d is then accepted with probability p_j(d), as with q one-hot above, and the
 tokens are the ones plain decoding emits with the same seed, whatever the drafter, its drafts or the batch
 (a model drafter draws its drafts from the same uniforms, so a good one still agrees often).

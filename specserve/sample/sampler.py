@@ -73,21 +73,41 @@ def compute_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return _probs_from_penalised(apply_penalties_and_masks(logits, meta), meta)
 
 
-def random_sample(probs: torch.Tensor, uniforms: dict[int, float]) -> torch.Tensor:
-    """Inverse-CDF sampling: one uniform u per row picks the first token whose cumulative mass exceeds u.
-
-    One draw per row instead of V (an exponential race over 49k tokens costs ~100x more here). `uniforms`
-    fixes u for some rows (seeded requests: `keyed_uniform` of their seed and output position), so their
-    tokens depend on nothing else; the other rows draw from torch's global generator.
+def random_sample(probs: torch.Tensor, keyed: dict[int, list[float]]) -> torch.Tensor:
+    """One token per row of probs [B, V] (unnormalised is fine): inverse-CDF sampling with one uniform from
+    torch's generator (one draw per row instead of V: an exponential race over 49k tokens costs ~100x more
+    here), except for the rows in `keyed` (seeded requests), which descend the token tree with their own
+    uniforms (`tree_sample`), so their tokens depend on nothing else.
     """
     num_rows = probs.shape[0]
-    u = torch.rand(num_rows, dtype=torch.float64) if len(uniforms) < num_rows else \
-        torch.empty(num_rows, dtype=torch.float64)
-    for row, value in uniforms.items():
-        u[row] = value
     cdf = probs.double().cumsum(dim=-1)  # [B, V]; float64 so 49k additions keep their precision
+    u = torch.rand(num_rows, dtype=torch.float64)
     target = (u * cdf[:, -1]).unsqueeze(1)  # [B, 1], strictly below each row's total mass
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    if keyed:
+        rows = torch.tensor(list(keyed), dtype=torch.int64)
+        tokens[rows] = tree_sample(cdf[rows], torch.tensor(list(keyed.values()), dtype=torch.float64))
+    return tokens
+
+
+def tree_sample(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[R] tokens from cdf [R, V] (cumulative masses in token-id order) by descending the binary tree over
+    token ids: at level l, go to the left half of the current range when uniforms[:, l] * its mass < the left
+    half's mass. Exact, with independent uniforms [R, L] (L >= log2 V). Two close distributions with the same
+    uniforms part only where a half's conditional mass differs across u, so a drafter's draw with these
+    uniforms meets the target's far more often than one inverse-CDF uniform over 49k accumulated masses."""
+    num_rows, vocab = cdf.shape
+    below = torch.cat([torch.zeros(num_rows, 1, dtype=cdf.dtype), cdf], dim=1)  # [R, V + 1]: mass before id i
+    lo = torch.zeros(num_rows, dtype=torch.int64)
+    hi = torch.full((num_rows,), vocab, dtype=torch.int64)
+    for level in range(uniforms.shape[1]):
+        mid = (lo + hi) // 2
+        base = below.gather(1, lo[:, None]).squeeze(1)
+        left = below.gather(1, mid[:, None]).squeeze(1) - base
+        total = below.gather(1, hi[:, None]).squeeze(1) - base
+        go_left = uniforms[:, level] * total < left  # a half without mass is never entered
+        lo, hi = torch.where(go_left, lo, mid), torch.where(go_left, mid, hi)
+    return lo
 
 
 def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:

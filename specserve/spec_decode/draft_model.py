@@ -84,7 +84,7 @@ class DraftModelProposer:
             clens.append(len(history))
             tables.append(inputs.block_tables[rid])
             if not self.shares_target_kv:
-                kv.num_valid[rid] = len(history)
+                kv.written(rid, len(history), inputs.block_tables[rid])
         return self._forward(kv, ids, self._positions(inputs, spans), qlens, clens, tables)
 
     def _positions(self, inputs: DraftInputs, spans: list[tuple[int, int, int]]) -> torch.Tensor:

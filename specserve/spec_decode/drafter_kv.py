@@ -3,8 +3,11 @@ with as many blocks, indexed by the target's own block tables.
 
 Its blocks come from the engine's memory budget (the engine sizes the pool for target + drafter bytes per
 block), so a drafter cannot silently double memory. Sharing the block tables means no allocator of its
-own: a slot is where the target keeps the same token, blocks freed with the request are freed for both,
-and prefix-cached blocks carry the drafter's KV of the same tokens along with the target's.
+own: a slot is where the target keeps the same token, and blocks freed with the request are freed for both.
+A prefix-cached block carries the drafter's KV of its tokens only if the drafter wrote all of it (a request
+that never drafted leaves the target's blocks without it): `valid_blocks` records which do, a new request
+counts its hit as far as they go, and a drafter that needs the target's states has the engine stop the hit
+there too (KVCacheManager's block_usable), so the target recomputes what the drafter lacks.
 """
 from __future__ import annotations
 
@@ -20,16 +23,38 @@ class DrafterKVCache:
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.caches = kv_caches(shape, spec.dtype, spec.num_layers)  # per layer (k, v)
         self.use_kernel = kernel_usable(spec.dtype)
-        # Per request: tokens [0, n) whose drafter KV is in place. A request (re)scheduled from scratch
-        # starts at its target's num_computed_tokens: prefix-cache hits come with the drafter's KV.
-        self.num_valid: dict[str, int] = {}
+        self.num_valid: dict[str, int] = {}  # per request: tokens [0, n) whose drafter KV is in place
+        self.valid_blocks: set[int] = set()  # blocks whose every slot holds the drafter's KV of their tokens
 
-    def start(self, req_id: str, num_computed_tokens: int) -> None:
-        """A request new to the runner, or resumed after preemption (its old blocks are gone)."""
-        self.num_valid[req_id] = num_computed_tokens
+    def start(self, req_id: str, block_ids: list[int], num_computed_tokens: int) -> None:
+        """A request new to the runner, or resumed after preemption: its first num_computed_tokens tokens
+        are a prefix-cache hit, its other blocks new allocations (no drafter KV in them yet). Its drafter
+        KV is in place for the leading hit blocks the drafter had written."""
+        hit = num_computed_tokens // self.block_size
+        self.allocated(block_ids[hit:])
+        valid = 0
+        while valid < hit and block_ids[valid] in self.valid_blocks:
+            valid += 1
+        self.num_valid[req_id] = min(num_computed_tokens, valid * self.block_size)
+
+    def allocated(self, block_ids: list[int]) -> None:
+        """Blocks a request has just been given: whatever drafter KV they held belonged to other tokens."""
+        self.valid_blocks.difference_update(block_ids)
+
+    def written(self, req_id: str, end: int, block_table: list[int]) -> None:
+        """The drafter's KV of the request's tokens [0, end) is in place."""
+        self.num_valid[req_id] = end
+        self.valid_blocks.update(block_table[:end // self.block_size])
+
+    def has_block(self, block_id: int) -> bool:
+        return block_id in self.valid_blocks
 
     def forget(self, req_id: str) -> None:
         self.num_valid.pop(req_id, None)
+
+    def reset(self) -> None:
+        self.num_valid.clear()
+        self.valid_blocks.clear()
 
     def metadata(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]]
                  ) -> AttentionMetadata:

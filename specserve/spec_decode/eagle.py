@@ -111,7 +111,7 @@ class EagleProposer:
         query_lens = [sum(len(r.tokens) for r in pending) for _, pending in writes]
         context_lens = [pending[0].start + n for (_, pending), n in zip(writes, query_lens)]
         for (rid, _), end in zip(writes, context_lens):
-            kv.num_valid[rid] = end
+            kv.written(rid, end, inputs.block_tables[rid])
         hidden = None if chunks[0].hidden is None else torch.cat([r.hidden for r in chunks])
         aux = None if chunks[0].aux is None else [torch.cat(parts) for parts in zip(*(r.aux for r in chunks))]
         features = self.head.target_features(hidden, aux)

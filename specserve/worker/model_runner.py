@@ -90,7 +90,7 @@ class ModelRunner:
             self._build_proposer()
             self.draft_policy.keep_step_prices(prices)
         if self.drafter_kv is not None:
-            self.drafter_kv.num_valid.clear()
+            self.drafter_kv.reset()
 
     def calibrate_step_costs(self, num_blocks: int, max_num_seqs: int) -> None:
         """Times the target's steps on a dummy context before the first request (StepCalibrator), so the
@@ -185,10 +185,12 @@ class ModelRunner:
             if new.grammar is not None:
                 self.grammars.start(new.req_id, new.grammar, state.output_token_ids, self._grammar_failed)
             if self.drafter_kv is not None:
-                self.drafter_kv.start(new.req_id, new.num_computed_tokens)
+                self.drafter_kv.start(new.req_id, new.block_ids, new.num_computed_tokens)
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
+            if self.drafter_kv is not None:
+                self.drafter_kv.allocated(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     # ---- inputs -------------------------------------------------------------------------

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.sample.keyed import keyed_uniform
+from specserve.sample.keyed import keyed_uniforms, tree_levels
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import (Sampler, apply_penalties_and_masks, compute_probs,
-                                      random_sample)
+                                      random_sample, tree_sample)
 from specserve.sampling_params import SamplingParams
 from tests.sample.reference import ref_probs
 
@@ -150,9 +150,37 @@ def test_seeded_row_ignores_batch_mates():
 
 def test_random_sample_seeded_rows_are_reproducible():
     probs = torch.full((3, 16), 1 / 16)
-    draw = lambda: random_sample(probs, {1: keyed_uniform(5, 0)})[1].item()
+    draw = lambda: random_sample(probs, {1: keyed_uniforms(5, 0, 4)})[1].item()
     assert len({draw() for _ in range(5)}) == 1
-    assert random_sample(probs, {0: 0.0, 2: 1.0 - 2 ** -53}).tolist()[::2] == [0, 15]
+    assert random_sample(probs, {0: [0.0] * 4, 2: [1.0 - 2 ** -53] * 4}).tolist()[::2] == [0, 15]
+
+
+def test_tree_sample_follows_the_distribution_and_skips_empty_halves():
+    """Exact: each token's frequency over many uniforms is its probability; tokens without mass never come."""
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.4, 0.25, 0.0, 0.05, 0.2, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    n = 40000
+    tokens = tree_sample(probs.cumsum(-1).expand(n, -1), torch.rand(n, tree_levels(11), dtype=torch.float64,
+                                                                      generator=g))
+    freq = torch.bincount(tokens, minlength=11).double() / n
+    assert freq[probs[0] == 0].sum() == 0
+    assert (freq - probs[0]).abs().max() < 4 * (0.25 / n) ** 0.5
+
+
+def test_close_distributions_meet_under_the_same_keyed_uniforms():
+    """Coupling by the token tree: two distributions 2% apart (relative noise per token) over 49k tokens give
+    the same token far more often than one inverse-CDF uniform does, and close to the 1 - TV optimum."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(49152, generator=g, dtype=torch.float64) * 2, -1)
+    q = p * (1 + 0.02 * torch.randn(49152, generator=g, dtype=torch.float64))
+    q = q / q.sum()
+    tv = 0.5 * float((p - q).abs().sum())
+    n, levels = 2000, tree_levels(49152)
+    u = torch.rand(n, levels, dtype=torch.float64, generator=g)
+    same_tree = (tree_sample(p.cumsum(-1).expand(n, -1), u) == tree_sample(q.cumsum(-1).expand(n, -1), u))
+    one = u[:, :1].contiguous()
+    same_cdf = torch.searchsorted(p.cumsum(-1), one) == torch.searchsorted(q.cumsum(-1), one)
+    assert same_tree.double().mean() > 1 - 3 * tv and same_tree.double().mean() > same_cdf.double().mean() + 0.1
     one_hot = torch.nn.functional.one_hot(torch.tensor([3, 0, 15]), 16).float()
     assert random_sample(one_hot, {}).tolist() == [3, 0, 15]
 
@@ -203,7 +231,7 @@ def test_expand_for_verification_histories_and_rows():
     assert ex.prompt_token_ids == [[1]] * 4 + [[2, 3]]
     assert ex.seeds == {0: 11, 1: 11, 2: 11, 3: 11}
     # row j of a request sits at output position len(output) + j: its keyed uniform is that position's
-    assert ex.seeded_uniforms() == {r: keyed_uniform(11, 2 + r) for r in range(4)}
+    assert ex.seeded_uniforms() == {r: keyed_uniforms(11, 2 + r, tree_levels(V)) for r in range(4)}
     assert ex.min_tokens_rows.tolist() == [0], "only row 0 has fewer than 3 outputs"
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(4))
     got = apply_penalties_and_masks(logits, ex)

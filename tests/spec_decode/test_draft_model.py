@@ -125,6 +125,45 @@ def test_a_draft_model_that_skips_steps_catches_up_and_drafts_as_from_scratch(tm
         assert drafts == expected[len(history):], f"{len(history)} tokens"
 
 
+def test_a_prefix_hit_on_blocks_the_draft_model_never_wrote_drafts_as_from_scratch(tmp_path):
+    """A first request that never drafts (num_speculative_tokens=0) leaves its blocks without the draft model's
+    KV; a second whose prompt is the first's prompt and answer plus more hits those blocks. The draft model
+    counts as its own only the hit blocks it wrote (none here) and catches up on the rest: every draft equals
+    its greedy continuation of the whole history computed from scratch by transformers."""
+    from tests.tiny_models import save_hf_folder
+
+    target = save_hf_folder(tiny_hf_model("llama", seed=1), tmp_path / "target")
+    draft_hf = tiny_hf_model("llama", seed=2, num_hidden_layers=1)
+    draft = save_hf_folder(draft_hf, tmp_path / "draft")
+    llm = LLM(model=target, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+                                                "adaptive_draft_length": False},
+              max_model_len=128, block_size=8, max_num_batched_tokens=32)
+    runner = llm.llm_engine.runner
+    first = torch.randint(3, 150, (21,), generator=torch.Generator().manual_seed(0)).tolist()
+    quiet = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, num_speculative_tokens=0)
+    answer = llm.generate([{"prompt_token_ids": first}], quiet, use_tqdm=False)[0].outputs[0].token_ids
+    drafts_made, capture = [], runner.propose_draft_token_ids
+
+    def recorded(batch, sampled, hidden, aux):
+        out = capture(batch, sampled, hidden, aux)
+        for rid in batch.sample_req_ids:
+            if out and out.get(rid):
+                drafts_made.append((list(runner.requests[rid].token_ids), out[rid]))
+        return out
+
+    runner.propose_draft_token_ids = recorded
+    second = {"prompt_token_ids": first + answer + [5, 6, 7]}
+    out = llm.generate([second], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    assert out.num_cached_tokens >= 40  # the hit reached into the first request's answer
+    assert len(drafts_made) > 3
+    for history, drafts in drafts_made:
+        expected = list(history)
+        with torch.no_grad():
+            for _ in drafts:
+                expected.append(int(draft_hf(torch.tensor([expected])).logits[0, -1].argmax()))
+        assert drafts == expected[len(history):], f"{len(history)} tokens"
+
+
 @requires_c_kernels
 @pytest.mark.parametrize("dequantize", [False, True], ids=["q4_1-blocks", "fp32"])
 def test_a_draft_that_reads_more_bytes_than_the_target_is_not_tried(default_gguf_path, dequantize):

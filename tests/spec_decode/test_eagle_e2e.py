@@ -495,6 +495,29 @@ def test_a_request_that_skips_drafting_resumes_as_the_reference(case, llama, tmp
     assert assert_drafts_match(result.steps, reference) > 10
 
 
+@pytest.mark.parametrize("case", ["eagle", "eagle3-official"])
+def test_a_prefix_hit_on_blocks_the_drafter_never_wrote_drafts_as_the_reference(case, llama, tmp_path):
+    """A first request that never drafts (num_speculative_tokens=0: the head keeps its decode rows aside and
+    drops them when it ends), then a second whose prompt is the first's prompt and answer plus more (a chat's
+    next turn): its prefix hit covers blocks whose head KV was never written. The hit stops where the head's
+    KV does, the target recomputes the rest, and every draft equals the from-scratch reference."""
+    written = write_drafter(case, str(tmp_path), llama.hf)
+    llm = LLM(model=llama.folder, speculative_config={"method": written.family, "model": written.folder,
+                                                      "num_speculative_tokens": K, "adaptive_draft_length": False},
+              **dict(ENGINE, num_kv_blocks=64))
+    first = {"prompt_token_ids": torch.randint(3, 150, (21,), generator=torch.Generator().manual_seed(4)).tolist()}
+    answer = token_ids(llm.generate([first], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                                            num_speculative_tokens=0), use_tqdm=False))[0]
+    second = {"prompt_token_ids": first["prompt_token_ids"] + answer + [7, 8, 9]}
+    target = plain_target(llama.hf, llama.folder, text_positions, prompts=[second])
+    steps = capture_drafts(llm)
+    assert token_ids(llm.generate([second], PARAMS, use_tqdm=False)) == target.plain
+    metrics = llm.get_metrics()
+    assert 0 < metrics.prefix_cache_hits < len(first["prompt_token_ids"]) + len(answer)  # the answer's blocks: no
+    reference = EagleReference(llama.hf, written, target.sequences(), text_positions, text_positions)
+    assert assert_drafts_match(steps, reference) > 5
+
+
 # ---------------------------------------------------------------- 3. M-RoPE positions reach the drafter
 
 

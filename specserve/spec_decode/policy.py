@@ -45,7 +45,7 @@ PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 2.0  # optimistic start: new requests draf
 DECAY = 0.8  # weight of the history at each verification: adapts within a few steps
 # A new request starts from the engine's own recent acceptance when that is higher than the prior: a
 # drafter that proved good (the int8 self-draft accepts ~95% of its drafts here) is not priced out of
-# every new request by the generic prior. Seeded requests keep the fixed prior (no dependence on others).
+# every new request by the generic prior.
 ENGINE_DECAY = 0.98  # weight of the history per verification in the engine-wide rate: ~50 verifications
 MEASURED_TRIALS = 10.0  # tried drafts (decayed) after which the engine-wide rate of an auto option is trusted
 PROBE_EVERY = 8  # steps without drafting before one probing draft, when a draft is cheap
@@ -281,6 +281,9 @@ class DraftPolicy:
             return []
         cheapest = min(usable, key=lambda i: tables[i][1])
         probe_cost = tables[cheapest][1]
+        if self.num_running <= 1 and not self.step_costs.is_live(2):  # a draft's price from the calibration
+            probe_cost = min(probe_cost, 1.0 + self.cost_per_draft)  # alone, which a busy moment may have
+            # inflated, does not forbid the probe that would time it
         if idle >= probe_interval(probe_cost - 1.0) and probe_cost < 1.0 + MAX_PROBE_COST:
             self.idle_steps[req_id] = 0
             return [(cheapest, 1)]

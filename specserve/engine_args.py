@@ -22,14 +22,19 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True) 
                    help="how GGUF 4-bit blocks are multiplied: activations as two int8 digits and integer dot "
                         "products (default; cheaper verification), or fp32 activations (bitwise the dequantized "
                         "model)")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's own limit, capped to what the KV cache "
+                        "holds, with a warning)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30,
                    help="memory for the paged KV cache, target and drafter (default: %(default)s, 1 GiB)")
-    p.add_argument("--speculative-config", type=json.loads, default=None,
-                   help='JSON, e.g. \'{"method": "auto"}\' (see the README for every key)')
+    p.add_argument("--speculative-config", type=speculative_config_json, default=None,
+                   help='JSON, e.g. \'{"method": "suffix"}\' (see the README for every key), or none. Default: '
+                        '{"method": "auto"}, which drafts with suffix trees, prompt lookup or a draft model per '
+                        "request and step, only where a draft pays")
+    p.add_argument("--no-speculation", action="store_true", help="plain decoding (--speculative-config none)")
     p.add_argument("--limit-mm-per-prompt", type=json_object, default=None,
                    help='JSON, most images one prompt may carry, e.g. \'{"image": 2}\' (default: 16 images)')
     p.add_argument("--mm-processor-kwargs", type=json_object, default=None,
@@ -60,19 +65,40 @@ def json_object(text: str) -> dict:
     return value
 
 
+# What the command line and the server speculate with unless told otherwise. LLM() keeps vLLM's default (no
+# speculation unless asked), so a program written for vLLM's LLM runs unchanged; a newcomer who starts the
+# server or the chat page sees drafting at once.
+DEFAULT_SPECULATION = {"method": "auto"}
+
+
+def speculative_config_json(text: str) -> dict | str:
+    """argparse type of --speculative-config: a JSON object, or "none"."""
+    if text.strip().lower() in ("none", "null", "off"):
+        return "none"
+    return json_object(text)
+
+
 def speculative_config(args) -> dict | None:
-    """--speculative-config JSON with the short flags laid over it (None: no speculation)."""
-    config = dict(args.speculative_config or {})
+    """--speculative-config JSON with the short flags laid over it; DEFAULT_SPECULATION when nothing is said,
+    None for --no-speculation or --speculative-config none."""
+    off = getattr(args, "no_speculation", False) or args.speculative_config == "none"
+    config = {} if off else dict(args.speculative_config or {})
     flags = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
              "model": "speculative_model", "prompt_lookup_min": "prompt_lookup_min",
              "prompt_lookup_max": "prompt_lookup_max"}
     short = {key: getattr(args, flag, None) for key, flag in flags.items()}
     if not hasattr(args, "speculative_method"):
         short = {}  # the command defines its own meaning for these flags
-    config.update({k: v for k, v in short.items() if v is not None})
+    given = {k: v for k, v in short.items() if v is not None}
+    if off:
+        if given:
+            raise ValueError(f"--no-speculation (or --speculative-config none) cannot go with "
+                             f"{', '.join('--' + flags[k].replace('_', '-') for k in given)}")
+        return None
+    config.update(given)
     if config and "method" not in config:
         config["method"] = "draft_model" if "model" in config else "ngram"
-    return config or None
+    return config or dict(DEFAULT_SPECULATION)
 
 
 def engine_kwargs(args) -> dict:

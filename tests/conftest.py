@@ -1,6 +1,7 @@
-import specserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+from specserve import process_env
 
-import gc
+process_env.apply()  # the test process is specserve's own: OpenMP set as the command line sets it, before torch
+import gc  # noqa: E402
 
 import pytest
 import torch

@@ -11,7 +11,26 @@ def test_short_speculation_flags_lay_over_the_json():
     assert speculative_config(args) == {"method": "suffix", "num_speculative_tokens": 6}
     args = build_parser().parse_args(["generate", "hi", "--prompt-lookup-max", "3"])
     assert speculative_config(args) == {"method": "ngram", "prompt_lookup_max": 3}
-    assert speculative_config(build_parser().parse_args(["generate", "hi"])) is None
+
+
+def test_the_command_line_speculates_with_auto_unless_told_not_to(capsys):
+    for command in (["generate", "hi"], ["chat"], ["serve"]):
+        assert speculative_config(build_parser().parse_args(command)) == {"method": "auto"}
+        for off in (["--no-speculation"], ["--speculative-config", "none"]):
+            assert speculative_config(build_parser().parse_args(command + off)) is None
+    assert main(["generate", "hi", "--no-speculation", "--speculative-method", "suffix"]) == 2
+    assert "--no-speculation (or --speculative-config none) cannot go with --speculative-method" in \
+        capsys.readouterr().err
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert '{"method": "auto"}' in help_text and "--no-speculation" in help_text
+
+
+def test_max_model_len_defaults_to_the_models_capped_by_the_kv_cache(caplog):
+    args = build_parser().parse_args(["generate", "hi"])
+    assert args.max_model_len is None  # as LLM(): the engine takes the model's own limit
+    assert main(["generate", "The capital of France is", "--max-tokens", "4", "--no-speculation",
+                 "--kv-cache-memory-bytes", str(16 << 20)]) == 0
+    assert "max_model_len is capped to 352 tokens, what the KV cache holds, below the model's 8192" in caplog.text
 
 
 def test_generate_prints_text_and_speed(capsys):

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-DEFAULT_DATASET = "/work/shared/data/specbench.jsonl"
+# Spec-Bench's 480 questions, shipped with the package (data/README.md: source and licence)
+DEFAULT_DATASET = str(Path(__file__).with_name("data") / "specbench.jsonl")
 
 
 # ---------------------------------------------------------------- prompts

@@ -21,6 +21,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from specserve import process_env
 from specserve.distributed.group import TensorParallelGroup, driver_store
 from specserve.distributed.worker import SHUTDOWN, ShardSpec, error_key, ready_key
 from specserve.types import FatalEngineError
@@ -50,7 +51,7 @@ class ProcessWorkers:
         store = driver_store(self.host, self.spec.size)
         command = [sys.executable, "-c", "from specserve.distributed.worker import process_main; process_main()"]
         for rank in range(1, self.spec.size):
-            process = subprocess.Popen(command, stdin=subprocess.PIPE)
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, env=process_env.apply(dict(os.environ)))
             self.processes[rank] = process
             process.stdin.write(pickle.dumps((self.spec, rank, self.host, store.port, list(sys.path))))
             process.stdin.close()

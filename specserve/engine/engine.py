@@ -104,7 +104,13 @@ class LLMEngine:
         per_block = self.runner.kv_bytes_per_block()  # the target's KV and the drafter's
         num_blocks = self.config.num_kv_blocks or self.config.kv_cache_memory_bytes // per_block
         needed = -(-self.max_model_len // self.config.block_size)
-        if num_blocks < needed:
+        if num_blocks < needed and self.config.max_model_len is None and num_blocks >= 2:
+            capped = num_blocks * self.config.block_size  # the model's own limit, not asked for: what fits
+            logger.warning("max_model_len is capped to %d tokens, what the KV cache holds, below the model's %d; "
+                           "raise kv_cache_memory_bytes (%d, %.1f MiB a block) for the model's full length",
+                           capped, self.max_model_len, self.config.kv_cache_memory_bytes, per_block / 2**20)
+            self.max_model_len = self.runner.max_model_len = capped
+        elif num_blocks < needed:
             raise ValueError(
                 f"the KV cache holds {num_blocks * self.config.block_size} tokens but one sequence of "
                 f"max_model_len={self.max_model_len} needs {needed * per_block / 2**20:.1f} MiB "

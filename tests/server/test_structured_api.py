@@ -41,7 +41,8 @@ WEATHER_CHAT = [{"role": "user", "content": "What is the weather like in Paris t
 
 @pytest.fixture(scope="module")
 def plain():
-    proc = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(256 << 20))
+    proc = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(256 << 20),
+                         "--no-speculation")
     yield proc
     proc.stop()
 

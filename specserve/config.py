@@ -105,8 +105,8 @@ SPEC_METHODS = ("ngram", "suffix", *_MODEL_METHODS, "auto")
 AUTO_DEFAULT_NUM_SPECULATIVE_TOKENS = {"suffix": 5, "ngram": 8, "model": 4}
 AUTO_DRAFTERS = (*_MODEL_METHODS, "none")
 # auto's default int8 self-draft (~1 byte a weight with its scales) pays only against a target that reads
-# clearly more per step: fp32 (4) or bf16 (2), not GGUF blocks (Q8_0 1.06, Q4_1 0.6 measured: there the
-# self-draft's step took 1.12 of the target's).
+# clearly more per step: fp32 (4) or bf16 (2), not GGUF blocks (Q8_0 1.06, Q4_1 0.6: against those the
+# self-draft's step takes ~1.12 of the target's).
 SELF_DRAFT_MIN_TARGET_BYTES = 1.5
 
 
@@ -188,10 +188,11 @@ class SpeculativeConfig:
 
     def _check_lookup(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        # vLLM: one given value is copied to the other; defaults 5/5. We default to 1..5: replaying SmolLM2's
-        # greedy Spec-Bench outputs (benchmarks/spec_replay.py), a one-token match drafts often enough to pay
-        # now that verifying a draft token costs ~3.5% of a step: tokens per unit of cost 1.36 -> 1.43
-        # (geomean of 8 categories), summarization 1.39 -> 1.51, and no category lower.
+        # vLLM: one given value is copied to the other; defaults 5/5. We default to 1..5: with verifying a
+        # draft token costing ~3.5% of a step (DEFAULT_COST_PER_DRAFT), a one-token match drafts often enough
+        # to pay. Replaying SmolLM2's greedy Spec-Bench outputs (benchmarks/spec_replay.py), 1..5 gives 1.43
+        # tokens per unit of cost against 1.36 for 5..5 (geomean of 8 categories), summarization 1.51 against
+        # 1.39, and no category lower.
         if lo is None and hi is None:
             lo, hi = 1, 5
         lo = hi if lo is None else lo

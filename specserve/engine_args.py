@@ -7,9 +7,12 @@ import json
 from specserve.config import SPEC_METHODS
 
 
-def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True) -> None:
+def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True,
+                    speculate_by_default: bool = True) -> None:
     """Engine options; speculation_flags=False leaves out the short speculation flags (for commands
-    that define their own)."""
+    that define their own); speculate_by_default=False makes plain decoding the default (benchmarks whose
+    baseline it is)."""
+    p.set_defaults(default_speculation=DEFAULT_SPECULATION if speculate_by_default else None)
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="bfloat16: bf16 linear weights with fp32 activations (faster, approximate)")
@@ -98,7 +101,8 @@ def speculative_config(args) -> dict | None:
     config.update(given)
     if config and "method" not in config:
         config["method"] = "draft_model" if "model" in config else "ngram"
-    return config or dict(DEFAULT_SPECULATION)
+    default = getattr(args, "default_speculation", None)
+    return config or (dict(default) if default else None)
 
 
 def engine_kwargs(args) -> dict:

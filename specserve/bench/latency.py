@@ -118,7 +118,7 @@ def spec_configs(args: argparse.Namespace) -> dict[str, dict]:
         if method == "draft_model":
             if args.draft_model:
                 config["model"] = args.draft_model
-            else:  # no smaller model shares SmolLM2's tokenizer here: its own weights in int8 draft for it
+            else:  # no smaller model with SmolLM2's tokenizer is bundled: its own weights in int8 draft for it
                 config.update(model=args.model or default_model_path(), quantization="int8")
         config.update(overrides.get(method, {}))
         if config["method"] != method:

@@ -12,10 +12,10 @@ from specserve.bench.common import BenchPrompt, format_table, median, prompts_su
 from specserve.bench.llamacpp import LLAMACPP_PLAIN, LLAMACPP_PROMPT_LOOKUP, PROMPT_LOOKUP_TOKENS as LLAMACPP_LOOKUP
 
 # num_speculative_tokens per method when --num-speculative-tokens is not given; the adaptive policy drafts
-# fewer when they do not pay. Here a step over 1 + k tokens costs ~1 + 0.02-0.03k one-token steps at ~1k
-# tokens of context, and an int8 self-draft ~0.5 of a step per draft token. ngram's k is 8: replaying plain
-# decoding's outputs (benchmarks/spec_replay.py) at 2% per draft, k=8 matches k=5 everywhere but
-# extraction, where long copies make it better (3.32 vs 3.01 tokens per unit of cost).
+# fewer when they do not pay. On the default model a step over 1 + k tokens costs ~1 + 0.02-0.03k one-token
+# steps at ~1k tokens of context, and an int8 self-draft ~0.5 of a step per draft token. ngram's k is 8:
+# replaying plain decoding's outputs (benchmarks/spec_replay.py) at 2% per draft, k=8 matches k=5 everywhere
+# but extraction, where long copies make it better (3.32 vs 3.01 tokens per unit of cost).
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 5, "draft_model": 4, "eagle": 4, "eagle3": 4, "medusa": 3,
                                   "auto": None}  # auto: each of its proposers' own default
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens, as in ANCHORS.md

@@ -28,11 +28,13 @@ def require_llamacpp() -> None:
 def run_llamacpp(model_path: str, prompts: list[BenchPrompt], warmup: BenchPrompt, max_tokens: int,
                  threads: int, warmup_tokens: int, log) -> list:
     """Plain then prompt lookup over every prompt; RequestTiming per (method, prompt)."""
-    from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
     if not str(model_path).endswith(".gguf"):
         raise ValueError(f"--llamacpp runs GGUF files only, got --model {model_path}")
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError as exc:
+        raise ValueError(f"--llamacpp needs llama-cpp-python: pip install 'specserve[llamacpp]' ({exc})") from None
     n_ctx = max(len(p.token_ids) for p in [*prompts, warmup]) + max_tokens + PROMPT_LOOKUP_TOKENS + 16
     timings = []
     for method, draft in ((LLAMACPP_PLAIN, None),

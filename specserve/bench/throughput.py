@@ -62,7 +62,7 @@ def add_parser(bench_sub) -> None:
                         "--max-num-seqs is given) and transformers' padded batch size (default: %(default)s)")
     p.add_argument("--skip-hf", action="store_true", help="run specserve only")
     p.add_argument("--output-json", default=DEFAULT_OUTPUT, help="where to write results (default: %(default)s)")
-    add_engine_args(p)
+    add_engine_args(p, speculate_by_default=False)  # specserve plain against transformers unless asked
     p.set_defaults(max_num_seqs=None, func=cmd_throughput)
 
 

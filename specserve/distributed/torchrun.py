@@ -218,7 +218,7 @@ def publish_route(launch: TorchrunLaunch, store: dist.Store) -> None:
 def gloo_address(launch: TorchrunLaunch, store: dist.Store) -> str | None:
     """This rank's address for the other ranks' gloo connections. On one host: loopback. On several: this
     rank's address on its route to MASTER_ADDR, unless that is a loopback address (MASTER_ADDR is this host's
-    name and resolves to 127.0.1.1 here, as Debian's /etc/hosts has it): then MASTER_ADDR's IP as a rank on
+    name and resolves to 127.0.1.1, as Debian's /etc/hosts has it): then MASTER_ADDR's IP as a rank on
     another host resolved it. None when GLOO_SOCKET_IFNAME names the interfaces instead."""
     if launch.one_host:
         return "127.0.0.1"

@@ -12,7 +12,7 @@
 * oneDNN inner product with a weight pre-packed once at construction when the C kernels are
   unavailable;
 * numpy ``matmul`` (OpenBLAS sgemv, single thread) for one row when this torch build has no oneDNN
-  either, and torch's ``F.linear`` above. PyTorch's MKL path is 2-4x slower here from 2 rows up, so it
+  either, and torch's ``F.linear`` above. PyTorch's MKL path is 2-4x slower than these from 2 rows up, so it
   is never picked automatically. The measurements behind these choices are in docs/performance.md.
 
 All are exact fp32 (same products, different summation order: max relative error vs ``F.linear``

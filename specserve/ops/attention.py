@@ -3,11 +3,12 @@
 Every request in a step contributes `query_len` consecutive tokens at absolute positions
 `[context_len - query_len, context_len)` and attends causally to its whole context in the paged cache.
 With the C kernel of `kernels.py` every request (decode, 1 + k verification, prefill chunks) is
-computed from the block pool in place: measured against SDPA here, 1.7x faster for a 128-token
-prompt and even at 1024 tokens. Without it (no compiler, a non-fp32 cache, SPECSERVE_KERNELS=torch),
-short queries are padded into batched SDPA calls by context length and long queries (prefill chunks)
-run one request at a time through SDPA. Per layer: write the step's K/V into the cache first, then
-attend, so a request may read blocks another request fills in the same step (prefix-cache hits).
+computed from the block pool in place, faster than SDPA over gathered blocks (1.7x for a 128-token
+prompt, and still ahead at 1024 tokens). Without it (no compiler, a non-fp32 cache,
+SPECSERVE_KERNELS=torch), short queries are padded into batched SDPA calls by context length and long
+queries (prefill chunks) run one request at a time through SDPA. Per layer: write the step's K/V into
+the cache first, then attend, so a request may read blocks another request fills in the same step
+(prefix-cache hits).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class ContextBlocks:
     """Where the cached context of B requests lives, and how to read it as [B, L, Hkv, D] keys or values.
 
     Reading copies whole blocks (`index_select` over the block axis moves block_size * Hkv * D contiguous
-    values per index: 7x faster here than indexing token slots one by one). One request whose blocks are
+    values per index: ~7x faster than indexing token slots one by one). One request whose blocks are
     consecutive in the pool (the usual case when it runs alone) is read as a view, with no copy at all.
     """
 
@@ -130,7 +131,7 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int], blo
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
-    if use_kernel:  # every request, prefill chunks included (faster than SDPA here up to 1k-token chunks)
+    if use_kernel:  # every request, prefill chunks included (faster than SDPA up to 1k-token chunks)
         kernel = _build_kernel_batch(range(len(query_lens)), starts, query_lens, context_lens, block_tables,
                                      block_size)
         return AttentionMetadata(slot_mapping, starts[-1], [], [], kernel)
@@ -157,8 +158,8 @@ def _build_kernel_batch(rows, starts, query_lens, context_lens, block_tables, bl
 def _length_buckets(rows: list[int], context_lens: list[int]) -> list[list[int]]:
     """Group rows of similar context length, so padding to the longest in a group wastes at most ~half.
 
-    Padding every decode to the batch's longest context made a 32-request step gather 4x the keys it
-    needed (Spec-Bench prompts of 30 to 950 tokens).
+    Padding every decode to the batch's longest context would make a 32-request step gather ~4x the keys
+    it needs when contexts differ as much as Spec-Bench prompts do (30 to 950 tokens).
     """
     buckets: list[list[int]] = []
     first_len = 0
@@ -255,7 +256,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     """q: [B, Q, H, D]; k, v: [B, L, Hkv, D]; mask: [B, 1, Q, L] or None; returns [B, Q, H, D].
 
     Grouped-query attention through SDPA's enable_gqa (no repeated K/V); a fresh prefill uses
-    is_causal, which takes the flash kernel (1.5x faster here than an explicit mask).
+    is_causal, which takes the flash kernel (~1.5x faster than an explicit mask).
     """
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                        is_causal=causal, scale=scale, enable_gqa=True)

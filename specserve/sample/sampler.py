@@ -75,8 +75,8 @@ def compute_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 def random_sample(probs: torch.Tensor, keyed: dict[int, list[float]]) -> torch.Tensor:
     """One token per row of probs [B, V] (unnormalised is fine): inverse-CDF sampling with one uniform from
-    torch's generator (one draw per row instead of V: an exponential race over 49k tokens costs ~100x more
-    here), except for the rows in `keyed` (seeded requests), which descend the token tree with their own
+    torch's generator (one draw per row instead of V: an exponential race over 49k tokens costs ~100x more),
+    except for the rows in `keyed` (seeded requests), which descend the token tree with their own
     uniforms (`tree_sample`), so their tokens depend on nothing else.
     """
     num_rows = probs.shape[0]

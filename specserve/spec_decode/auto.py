@@ -27,7 +27,7 @@ from specserve.types import max_draft_tokens
 
 # A model drafter's time per draft token, in target steps, until measured, where the drafter does not price
 # itself from its weight bytes (DrafterNeeds.drafting_cost; EAGLE and Medusa heads): an int8 self-draft of a
-# small fp32 model measured ~0.3 here at one request.
+# small fp32 model costs ~0.3 at one request.
 MODEL_PRIOR_DRAFTING_COST = 0.3
 SHADOW_EVERY = 4  # a request's drafting steps between two rounds of shadow drafts from its unused lookups
 _STATES_ORDER = (TargetStates.NONE, TargetStates.ACCEPTED, TargetStates.ALL)

@@ -12,7 +12,7 @@ ModelRunner.calibrate_step_costs) and then every step that verifies one request 
 that was not calibrated, until both sizes were seen a few times). On a shared host single steps are often
 slowed by other work: a live timing moves its size's average by at most 10% of it, and cost(k) is never
 below cost(k - 1) (sizes are timed apart). The curve depends on the kernels, the machine and the context
-length (with oneDNN linears it jumped at 7 rows; with specserve's GEMM and chunked attention it rises ~2% per
+length (with oneDNN linears it jumps at 7 rows; with specserve's GEMM and chunked attention it rises ~2% per
 token at ~1k tokens of context, most of it attention).
 The proposer's own time per draft token is added (tens of microseconds for a lookup, a forward pass of
 the drafter per token for draft_model); a stalled call raises it by at most a tenth. A price that
@@ -44,7 +44,7 @@ from specserve.spec_decode.step_pricing import DEFAULT_COST_PER_DRAFT, STALE_AFT
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 2.0  # optimistic start: new requests draft
 DECAY = 0.8  # weight of the history at each verification: adapts within a few steps
 # A new request starts from the engine's own recent acceptance when that is higher than the prior: a
-# drafter that proved good (the int8 self-draft accepts ~95% of its drafts here) is not priced out of
+# drafter that proved good (an int8 self-draft of the target accepts ~95% of its drafts) is not priced out of
 # every new request by the generic prior.
 ENGINE_DECAY = 0.98  # weight of the history per verification in the engine-wide rate: ~50 verifications
 MEASURED_TRIALS = 10.0  # tried drafts (decayed) after which the engine-wide rate of an auto option is trusted
@@ -61,7 +61,8 @@ DRAFTING_CLIP = 1.5
 RELAX = 0.98  # per step, an option a request is not using drifts toward the engine's rate for it (auto)
 # With several requests a draft must promise this much over plain decoding: a batched step's price is a fit
 # over noisy timings, and a request's share of the gain is small, so a marginal draft is as likely a loss
-# (measured at 16 requests in flight: prompt lookup drafting in 14% of steps ran at 0.91-0.97x plain).
+# (at 16 requests in flight, prompt lookup drafting whenever a draft promises any gain drafts in 14% of
+# steps and runs at 0.91-0.97x the speed of plain decoding).
 BATCH_MIN_GAIN = 1.05
 CALIBRATE_EVERY = 8  # a plain step this often while batched steps are all alike in size
 MAX_PROBE_COST = 0.5  # no probing when one draft costs this much of a step share (a busy, compute-bound batch)
@@ -299,8 +300,8 @@ class DraftPolicy:
     def _start_rate(self, option: int) -> float:
         """A new request starts from the engine's own recent acceptance when that beats the prior. Among
         several options it starts from the engine's rate for each once that is measured: an optimistic
-        start would have every new request try the lookups (often accepted ~30% here) before the drafter
-        that is accepted ~95%."""
+        start would have every new request try the lookups (often accepted ~30%) before a drafter that is
+        accepted ~95%."""
         engine = self.engine_stats[option]
         if len(self.options) > 1 and engine.trials >= MEASURED_TRIALS:
             return engine.rate

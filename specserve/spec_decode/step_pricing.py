@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 
-# Measured on this CPU (SmolLM2, batch 1, ~1k-token summarization contexts): a step verifying 4 drafts
-# took 1.14x a one-token step (28.3 vs 24.9 ms) once attention read the block pool in place, so each
-# extra verified token adds ~3.5% (it was ~6% with gathered attention).
+# A draft row costs ~3.5% of a one-token step on the default model: with SmolLM2 at batch 1 on ~1k-token
+# summarization contexts, a step verifying 4 drafts takes ~1.14x a one-token step on a 2-core CPU, the C
+# attention kernel reading the block pool in place (gathering the blocks for SDPA makes each row dearer).
 DEFAULT_COST_PER_DRAFT = 0.035
 # A price nothing re-measures drifts back toward its prior: after STALE_AFTER steps without an observation,
 # per further step a measured drafting time keeps STALE_KEEP of its distance from the prior, and a step
@@ -151,8 +151,8 @@ class LinearStepFit:
 
         A draft row's share of a step (two - one) / one is taken as never smaller at more requests than at
         fewer (each request's share of the weights' read shrinks, a row's arithmetic does not): a pair timed
-        while the host was busy on the one-token side alone (measured: 9.5 against 9.6 ms at four requests,
-        6.1 against 8.4 in the next load) would otherwise price drafts nearly free at that size."""
+        while other work slowed the one-token side alone (e.g. 9.5 against 9.6 ms at four requests, where a
+        quiet host gives 6.1 against 8.4) would otherwise price drafts nearly free at that size."""
         self.calibrated, floor = {}, 0.0
         for n, (one, two) in sorted(calibrated.items()):
             floor = max(floor, (two - one) / one if one > 0 else 0.0)

@@ -2,8 +2,8 @@
 
 On a dedicated 2-core machine two threads speed up multi-token steps (verification, prefill) by up to
 1.5x; on a shared one, every OpenMP parallel region may wait a scheduler tick for its second thread and
-the same step runs 2x slower (both measured here). So per step-size bucket the policy keeps a moving
-average of seconds per token for each thread count, uses the faster, and re-measures the other now and then.
+the same step can run 2x slower. So per step-size bucket the policy keeps a moving average of seconds per
+token for each thread count, uses the faster, and re-measures the other now and then.
 The averages take a faster step at once and a slower one a little at a time (SLOWER_CLIP).
 """
 from __future__ import annotations
@@ -14,24 +14,25 @@ from contextlib import contextmanager
 import torch
 
 # Lower bounds of the step-size buckets, in tokens. Each verification size up to 8 is its own bucket: a
-# bucket compares seconds per token, and across 2-16 tokens that ratio halves with the size, so a choice
-# measured on bigger steps looked faster (a 2-16 bucket settled on 1 thread at 6.9 ms per token against 16.9
-# for 2 threads while 2 threads ran each size faster).
+# bucket compares seconds per token, and across 2-16 tokens that ratio halves with the size, so in a wider
+# bucket a choice measured on bigger steps would look faster (a 2-16 bucket can settle on 1 thread while
+# 2 threads run each size faster).
 BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64)
 SKIP_FIRST_BELOW = 17  # the first step of each size below this is not measured (see record)
 # Steps of a bucket between two measurements of the other choice. Each one costs a step at the slower
-# setting (1.4-1.8x the time here), so at 16 the exploring alone took ~3% of a 32-request decode.
+# setting (1.4-1.8x the time on 2 cores), so every 16 steps the exploring alone would cost ~3% of a
+# 32-request decode.
 EXPLORE_EVERY = 64
 # An exploring step that ran this much slower than the choice in use doubles the interval to the next one,
 # up to MAX_EXPLORE_EVERY: with another process busy on one core, a 2-thread step with spinning OpenMP
-# workers took ~2x a 1-thread one, which re-measured every 64 steps would cost ~2% for nothing.
+# workers takes ~2x a 1-thread one, which re-measured every 64 steps would cost ~2% for nothing.
 SLOW_EXPLORE = 1.5
 # A bucket whose other choice measured at least this much slower skips the re-measurements at steps 8, 16
 # and 32 (a decode size's step 4 still checks the first pick; a prefill's, ~0.5 s more on one thread for
 # 1000 tokens, does not), and a new bucket borrows the verdict when every measured bucket of its kind
 # (decode/verification sizes, or prefill sizes) agrees this clearly. A prompt-lookup request spreads its
-# steps over nine sizes; each size measuring one thread five times in its first 32 steps made 20 of 87
-# steps of a summarization request run on one thread, ~1.15-1.45x slower here.
+# steps over nine sizes; each size measuring one thread five times in its first 32 steps would run ~20 of
+# a summarization request's ~87 steps on one thread, ~1.15-1.45x slower on 2 cores.
 CLEAR_MARGIN = 1.1
 MAX_EXPLORE_EVERY = 1024
 EMA = 0.7  # weight of the history in the moving averages
@@ -40,9 +41,9 @@ EMA = 0.7  # weight of the history in the moving averages
 # a host that turns slower for good is followed within ~10 steps of each choice.
 SLOWER_CLIP = 0.25
 # A step of more tokens than this never runs the other choice to measure it: one thread on a 2,000-token
-# prefill took ~0.5 s more than two here, a first run of four prompts at once 8% slower for it. It runs the
-# faster choice measured on its bucket's smaller steps, or all threads while only those are measured (a long
-# step's parallel regions are long, so a second thread that starts late costs little of it).
+# prefill takes ~0.5 s more than two on 2 cores, enough to make a first run of four prompts at once ~8%
+# slower. It runs the faster choice measured on its bucket's smaller steps, or all threads while only those
+# are measured (a long step's parallel regions are long, so a second thread that starts late costs little).
 EXPLORE_MAX_TOKENS = 256
 
 

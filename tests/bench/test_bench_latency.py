@@ -1,5 +1,6 @@
 """Smoke tests of `specserve bench latency`'s plumbing: arguments, prompt selection, and the report's medians,
 ratios, geometric means and greedy check on synthetic timings. No model runs here."""
+import importlib.util
 import json
 import math
 
@@ -239,9 +240,14 @@ def test_llamacpp_rows_compare_with_llamacpp_plain():
     assert rows[LLAMACPP_PLAIN]["greedy_reference"] is None  # its tokens are not held to specserve's
 
 
-def test_llamacpp_needs_a_gguf_file():
+def test_llamacpp_needs_a_gguf_file_and_its_extra():
+    """The comparison with llama.cpp itself is a benchmark (`specserve bench latency --llamacpp`), not a test:
+    its extra builds llama.cpp from source. What the command checks first is tested here, with or without it."""
     from specserve.bench.llamacpp import run_llamacpp
 
-    pytest.importorskip("llama_cpp")
+    warmup = BenchPrompt("w", "warmup", "t", [1])
     with pytest.raises(ValueError, match="GGUF"):
-        run_llamacpp("some/hf_folder", [], BenchPrompt("w", "warmup", "t", [1]), 8, 1, 4, print)
+        run_llamacpp("some/hf_folder", [], warmup, 8, 1, 4, print)
+    if importlib.util.find_spec("llama_cpp") is None:
+        with pytest.raises(ValueError, match=r"pip install 'specserve\[llamacpp\]'"):
+            run_llamacpp("model.gguf", [], warmup, 8, 1, 4, print)

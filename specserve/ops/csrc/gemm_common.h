@@ -11,8 +11,8 @@
 
 #define BLOCK 32
 /* Rows sharing each weight load: 12 rows keep 24 accumulators + 2 weight vectors in the 32 AVX-512
- * registers, so a verification step of 1 + 8 tokens is one pass over the weights (at 8 rows it was two,
- * the second a latency-bound single row: a 9-token step cost 1.28x a 1-token step instead of 1.15x). */
+ * registers, so a verification step of 1 + 8 tokens is one pass over the weights. With 8 rows it would be
+ * two, the second a latency-bound single row (a 9-token step then costs ~1.28x a 1-token step, not ~1.15x). */
 #define MAX_ROWS 12
 
 /* Run CALL(rows) for each chunk of at most MAX_ROWS rows, m being the chunk's first row, with `rows` a

@@ -28,8 +28,9 @@
 /* Rows sharing each block's loads: 4 rows keep 16 int32 and 8 fp32 accumulators with the scales and the
  * unpacked nibbles in the 32 vector registers. */
 #define I8_ROWS 4
-/* Records ahead that each group prefetches, all 12 of a record's cache lines: with 3 lines 2 records ahead a
- * 2-row call on a 75 MB weight took 3.4 ms, with these 2.0-3.0 ms (the spread of a shared host). */
+/* Records ahead that each group prefetches, all 12 of a record's cache lines: a shorter stream (3 lines 2
+ * records ahead) leaves the loads waiting on memory, ~3.4 ms for a 2-row call on a 75 MB weight against
+ * 2.0-3.0 ms with these. */
 #define I8_PREFETCH 8
 
 typedef int32_t i32v __attribute__((vector_size(64)));

@@ -72,7 +72,7 @@ void rope_qk_f32(float *qkv, const float *cos, const float *sin, int64_t rows, i
 }
 
 /* out[r] = the index of the first maximum of row r (the first NaN if the row has one), as torch.argmax:
- * greedy sampling and verification. torch's CPU argmax takes ~30 us per 49152-wide row here; this takes a
+ * greedy sampling and verification. torch's CPU argmax takes ~30 us per 49152-wide row; this takes a
  * few, which matters once per decode step and once per verified token. */
 typedef float am_vf __attribute__((vector_size(64)));
 typedef int32_t am_vi __attribute__((vector_size(64)));

@@ -185,10 +185,9 @@ static inline void prefetch_keys(const float *block, int64_t h0, int64_t h1, int
 
 #define CHUNK_KEYS (16 * CHUNK_BLOCKS)
 #define TILE_ROWS 32 /* rows whose scores for one chunk are held at once (TILE_ROWS * CHUNK_KEYS floats) */
-/* Rows sharing each load of a key or value vector: their accumulators (4 vectors a row) stay in registers.
- * Against one row at a time, with keys stored token by token and each row's 16 dot products reduced by a
- * transpose-and-add tree: 9-11% less kernel time at 2-9 query tokens, 3% at one (2 threads, 1000-token
- * context, blocks scattered over the pool, interleaved medians). */
+/* Rows sharing each load of a key or value vector: their accumulators (4 vectors a row) stay in registers,
+ * and each vector loaded feeds up to GROUP_ROWS rows' FMAs, so the rows of a kv head (its query heads, each
+ * token of a verification step) read each key and value once per group rather than once per row. */
 #define GROUP_ROWS 6
 
 /* CALL(rows) with rows = n (1..GROUP_ROWS) as a compile-time constant, so the accumulators stay in registers. */
@@ -275,10 +274,10 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
     if (b1 > (c_len + 15) / 16) b1 = (c_len + 15) / 16;
     const int64_t h0 = r0 / q_len / group * dim, h1 = ((r1 - 1) / q_len / group + 1) * dim; /* kv heads' floats */
     /* The whole chunk's keys and values of these kv heads into L2 first, rather than only one block ahead:
-     * once requests have come and gone a request's blocks lie scattered over the pool, and reading them
-     * block by block then ran 30-50% slower than over consecutive blocks. Measured (2 threads, 1000-token
-     * context, 30 layers of caches): with scattered blocks 15-20% less time at 1-9 query rows; with
-     * consecutive blocks ~5%. */
+     * once requests have come and gone a request's blocks lie scattered over the pool, and reading scattered
+     * blocks one at a time is 30-50% slower than reading consecutive ones. Prefetching the chunk takes
+     * 15-20% off the kernel's time at 1-9 query rows with scattered blocks, ~5% with consecutive ones
+     * (2 threads, 1000-token context, 30 layers of caches). */
     for (int64_t b = b0; b < b1; b++) {
         prefetch_keys(k_cache + table[b] * block_stride, h0, h1, 0);
         prefetch_values(v_cache + table[b] * block_stride, token_stride, h0, h1, 0);
@@ -508,9 +507,10 @@ static int attend_split(const float *q, float *out, const float *k_cache, const 
 }
 
 /* Whether to split the context over the threads: short queries (decode, verification) from too few
- * requests to give every thread two (request, kv head) pairs. Measured on SmolLM2's shapes (3 kv heads,
- * 2 threads, 1000-token contexts, 30 layers, with the first chunked kernel): one decoding request 2.0 ms
- * split vs 2.6 ms not; at two or three requests the same; at four and more, not splitting is faster. */
+ * requests to give every thread two (request, kv head) pairs. With fewer pairs some thread idles for part
+ * of the step (SmolLM2's 3 kv heads on 2 threads: one request gives one thread two pairs, the other one),
+ * and splitting each pair's context evens the threads out; with more, the pairs keep the threads about
+ * equally busy and folding the split's partial results is only overhead. */
 static int use_split(const int64_t *query_len, int64_t num_seqs, int64_t num_kv_heads) {
     if (num_seqs * num_kv_heads >= 2 * omp_get_max_threads()) return 0;
     for (int64_t s = 0; s < num_seqs; s++)

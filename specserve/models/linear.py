@@ -34,7 +34,9 @@ Approximate (opt-in only, ``weight_dtype=``):
   layer).
 * ``"int8"`` / ``torch.qint8``: per-output-channel symmetric int8 weights. With the C kernels
   (``c_int8``): weight-only quantization with fp32 activations, a quarter of the bytes per decode step
-  (~4e-3 relative error per weight). Without them: fbgemm dynamic quantization (~1e-2 per layer).
+  (~4e-3 relative error per weight). Without them: int8 activations too, quantized per row (each row its
+  own scale, so a row's result never depends on the other rows of the call) and multiplied exactly in int32
+  (``torch._int_mm``), ~1e-2 per layer.
   Either can change greedy tokens; the draft model uses it, as drafts need only agree with the target
   most of the time.
 
@@ -47,7 +49,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from typing import Optional, Union
 
 import numpy as np
@@ -106,11 +107,7 @@ def _cpu_flags() -> set[str]:
 
 ONEDNN_AVAILABLE = _probe_onednn()
 ONEDNN_BF16_AVAILABLE = _probe_onednn_bf16()
-FBGEMM_AVAILABLE = "fbgemm" in torch.backends.quantized.supported_engines
 _CPU_FLAGS = _cpu_flags()
-# With VNNI, fbgemm's u8*s8 dot products do not saturate, so the full activation range
-# can be used (reduce_range=False halves the int8 error: measured 1.1e-2 vs 1.9e-2).
-_INT8_REDUCE_RANGE = not ({"avx512_vnni", "avx_vnni", "amx_int8"} & _CPU_FLAGS)
 
 
 def select_backend(backend: Optional[str] = None) -> str:
@@ -202,7 +199,7 @@ class FastLinear(torch.nn.Module):
         self._w_blocks = None  # fp32 weight packed for the C GEMM: [ceil(out / 32), in, 32]
         self._w_packed = None  # oneDNN-packed fp32 weight (opaque mkldnn tensor)
         self._w_packed_bf16 = None  # oneDNN-packed bf16 weight
-        self._w_int8 = None  # fbgemm packed params
+        self._w_int8 = None  # (int8 weight [out, in], fp32 per-output-channel scales [out]) for torch._int_mm
         self._w_blocks_int8 = None  # (int8 blocks [ceil(out / 32), in, 32], fp32 scales [out]) for the C GEMM
         self._screen = None  # int8 copy of the fp32 C-GEMM weight for an exact argmax (enable_exact_argmax)
         self._numpy_max_rows = 0  # rows <= this go to numpy
@@ -217,9 +214,7 @@ class FastLinear(torch.nn.Module):
             self._w_blocks_int8 = kernels.pack_gemm_weight_int8(w)
             self.backend, self._slow = "c_int8", "c_int8"
         elif self.weight_dtype == "int8":
-            if not FBGEMM_AVAILABLE:
-                raise RuntimeError("weight_dtype=int8 needs the fbgemm quantized engine")
-            self._w_int8 = _pack_int8(w, b)
+            self._w_int8 = _quantize_per_channel(w)
             self.backend, self._slow = "int8_dynamic", "int8"
         elif self.backend == "torch":
             self._w = w
@@ -289,8 +284,8 @@ class FastLinear(torch.nn.Module):
             return self._w_packed_bf16.to_dense().float()
         if self._w_blocks_int8 is not None:
             return kernels.unpack_gemm_weight_int8(*self._w_blocks_int8)
-        w, _ = torch.ops.quantized.linear_unpack(self._w_int8)
-        return w.dequantize()
+        q, scales = self._w_int8
+        return q.float() * scales[:, None]
 
     def enable_exact_argmax(self) -> bool:
         """Keep an int8 copy of an fp32 C-GEMM weight without bias so that `argmax` can screen with it;
@@ -378,8 +373,8 @@ class FastLinear(torch.nn.Module):
             y = y.float()
             if self.bias is not None:
                 y.add_(self.bias)
-        else:  # int8 (bias is inside the packed params)
-            y = torch.ops.quantized.linear_dynamic(x2.contiguous(), self._w_int8, _INT8_REDUCE_RANGE)
+        else:  # int8
+            y = _int8_rows_linear(x2, *self._w_int8, self.bias)
         return y.view(*lead, self.out_features)
 
     def _forward_numpy(self, x: torch.Tensor, lead: torch.Size, rows: int) -> torch.Tensor:
@@ -401,16 +396,19 @@ class FastLinear(torch.nn.Module):
         return y
 
 
-def _pack_int8(w: torch.Tensor, b: Optional[torch.Tensor]):
-    """Per-output-channel symmetric int8 weights packed for fbgemm dynamic linear."""
-    prev_engine = torch.backends.quantized.engine
-    try:
-        torch.backends.quantized.engine = "fbgemm"
-        scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
-        zero_points = torch.zeros(w.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # quantized tensor creation is deprecated in 2.13 but works
-            warnings.simplefilter("ignore")
-            qw = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
-            return torch.ops.quantized.linear_prepack(qw, b)
-    finally:
-        torch.backends.quantized.engine = prev_engine
+def _quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] fp32 -> (int8 [out, in], fp32 scales [out]): symmetric, one scale per output channel."""
+    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    return torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales.float()
+
+
+def _int8_rows_linear(x: torch.Tensor, q: torch.Tensor, w_scales: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, in] fp32 @ (q [out, in] int8 * w_scales [out])^T (+ bias): each row of x quantized to int8 with its
+    own scale, the products summed exactly in int32, then scaled: a row's result depends on that row alone."""
+    x_scales = (x.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [M]
+    xq = torch.round(x / x_scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    y = torch._int_mm(xq, q.t()).float() * x_scales[:, None] * w_scales[None, :]
+    return y if bias is None else y.add_(bias)
+
+

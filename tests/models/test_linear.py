@@ -244,12 +244,10 @@ def test_bf16_opt_in_is_close():
 
 @pytest.mark.parametrize("kernels_env", ["auto", "torch"])
 def test_int8_opt_in_is_close(monkeypatch, kernels_env):
-    """int8 weights: the C GEMM (weight-only, fp32 activations) when the kernels build, else fbgemm's
-    dynamic quantization; both within a few percent of the fp32 layer, the C path much closer."""
+    """int8 weights: the C GEMM (weight-only, fp32 activations) when the kernels build, else int8 activations
+    quantized per row; both within a few percent of the fp32 layer, the C path much closer."""
     monkeypatch.setenv("SPECSERVE_KERNELS", kernels_env)
     c_path = kernels.kernel_enabled()
-    if not c_path and not L.FBGEMM_AVAILABLE:
-        pytest.skip("neither the C kernels nor fbgemm")
     w, b = _weights(out_f=256, in_f=192)
     lin = FastLinear(w, b, weight_dtype="int8")
     assert lin.backend == ("c_int8" if c_path else "int8_dynamic")
@@ -294,3 +292,20 @@ def test_without_c_kernels_auto_uses_onednn_and_c_is_refused(monkeypatch):
         _check(lin(x), F.linear(x, w, b))
     with pytest.raises(RuntimeError, match="C GEMM is not available"):
         FastLinear(w, backend="c")
+
+
+@pytest.mark.parametrize("weight_dtype", [None, "int8", torch.bfloat16], ids=["fp32", "int8", "bf16"])
+@pytest.mark.parametrize("kernels_env", ["auto", "torch"])
+def test_a_rows_result_does_not_depend_on_the_other_rows(monkeypatch, kernels_env, weight_dtype):
+    """What lets a verification step stand for plain decoding: each row of a 1..64-row call is bitwise the
+    row computed alone, on every path (the C kernels and the PyTorch fallback, fp32, int8 and bf16 weights)."""
+    monkeypatch.setenv("SPECSERVE_KERNELS", kernels_env)
+    if weight_dtype is torch.bfloat16 and not L.ONEDNN_BF16_AVAILABLE:
+        pytest.skip("no oneDNN bf16 on this CPU")
+    w, b = _weights(out_f=320, in_f=192)
+    lin = FastLinear(w, b, weight_dtype=weight_dtype)
+    x = torch.randn(64, 192, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.1, 10, 64)[:, None]
+    with torch.inference_mode():
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(64)])
+        for rows in (2, 5, 9, 17, 64):
+            assert torch.equal(lin(x[:rows]), alone[:rows]), (lin.path_for_rows(rows), rows)

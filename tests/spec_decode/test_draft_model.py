@@ -8,6 +8,32 @@ from tests.kernel_support import requires_c_kernels
 from tests.tiny_models import tiny_hf_model
 
 
+def record_drafts(runner) -> list[tuple[list[int], list[int]]]:
+    """(history, drafts) of every request that drafts from now on, as the runner proposes them."""
+    drafts_made, capture = [], runner.propose_draft_token_ids
+
+    def recorded(batch, sampled, hidden, aux):
+        out = capture(batch, sampled, hidden, aux)
+        for rid in batch.sample_req_ids:
+            if out and out.get(rid):
+                drafts_made.append((list(runner.requests[rid].token_ids), out[rid]))
+        return out
+
+    runner.propose_draft_token_ids = recorded
+    return drafts_made
+
+
+def assert_greedy_continuations(draft_hf, drafts_made) -> None:
+    """Each list of drafts is the draft model's greedy continuation of its history, computed from scratch by
+    transformers."""
+    for history, drafts in drafts_made:
+        expected = list(history)
+        with torch.no_grad():
+            for _ in drafts:
+                expected.append(int(draft_hf(torch.tensor([expected])).logits[0, -1].argmax()))
+        assert drafts == expected[len(history):], f"{len(history)} tokens"
+
+
 def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
     tiny_hf_model("llama").save_pretrained(str(tmp_path))  # vocabulary of 160, the target's is 49152
     with pytest.raises(ValueError, match="vocabulary"):
@@ -97,17 +123,7 @@ def test_a_draft_model_that_skips_steps_catches_up_and_drafts_as_from_scratch(tm
         return propose(inputs)
 
     runner.proposer.propose = counted
-    drafts_made = []
-    capture = runner.propose_draft_token_ids
-
-    def recorded(batch, sampled, hidden, aux):
-        out = capture(batch, sampled, hidden, aux)
-        for rid in batch.sample_req_ids:
-            if out and out.get(rid):
-                drafts_made.append((list(runner.requests[rid].token_ids), out[rid]))
-        return out
-
-    runner.propose_draft_token_ids = recorded
+    drafts_made = record_drafts(runner)
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 150, (n,), generator=g).tolist()} for n in (7, 20, 13)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -117,12 +133,7 @@ def test_a_draft_model_that_skips_steps_catches_up_and_drafts_as_from_scratch(tm
     assert all(any(c.num_drafts) for c in calls)  # the proposer was called only when a request drafted
     assert behind and min(behind) >= 3  # two skipped steps' tokens and this one's, fed in one catch-up
     assert len(drafts_made) > 8
-    for history, drafts in drafts_made:
-        expected = list(history)
-        with torch.no_grad():
-            for _ in drafts:
-                expected.append(int(draft_hf(torch.tensor([expected])).logits[0, -1].argmax()))
-        assert drafts == expected[len(history):], f"{len(history)} tokens"
+    assert_greedy_continuations(draft_hf, drafts_made)
 
 
 def test_a_prefix_hit_on_blocks_the_draft_model_never_wrote_drafts_as_from_scratch(tmp_path):
@@ -142,26 +153,12 @@ def test_a_prefix_hit_on_blocks_the_draft_model_never_wrote_drafts_as_from_scrat
     first = torch.randint(3, 150, (21,), generator=torch.Generator().manual_seed(0)).tolist()
     quiet = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, num_speculative_tokens=0)
     answer = llm.generate([{"prompt_token_ids": first}], quiet, use_tqdm=False)[0].outputs[0].token_ids
-    drafts_made, capture = [], runner.propose_draft_token_ids
-
-    def recorded(batch, sampled, hidden, aux):
-        out = capture(batch, sampled, hidden, aux)
-        for rid in batch.sample_req_ids:
-            if out and out.get(rid):
-                drafts_made.append((list(runner.requests[rid].token_ids), out[rid]))
-        return out
-
-    runner.propose_draft_token_ids = recorded
+    drafts_made = record_drafts(runner)
     second = {"prompt_token_ids": first + answer + [5, 6, 7]}
     out = llm.generate([second], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
     assert out.num_cached_tokens >= 40  # the hit reached into the first request's answer
     assert len(drafts_made) > 3
-    for history, drafts in drafts_made:
-        expected = list(history)
-        with torch.no_grad():
-            for _ in drafts:
-                expected.append(int(draft_hf(torch.tensor([expected])).logits[0, -1].argmax()))
-        assert drafts == expected[len(history):], f"{len(history)} tokens"
+    assert_greedy_continuations(draft_hf, drafts_made)
 
 
 @requires_c_kernels

@@ -224,7 +224,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         out = self.runner.execute_model(sched)
         failed = self._fail_children(out.failed)  # before the update, which then passes over them
-        running = {rid: self.scheduler.requests[rid] for rid in sched.req_ids if rid not in out.failed}
+        running = {rid: self.scheduler.requests[rid] for rid in sched.req_ids if rid in self.scheduler.requests}
         finished = self.scheduler.update_from_output(sched, out.sampled_token_ids, out.spec_token_ids,
                                                      out.draft_source_names)
         self._count(finished, sum(len(out.sampled_token_ids[rid]) for rid in running))

@@ -76,6 +76,27 @@ def test_a_grammar_that_fails_mid_output_fails_its_request_alone(reference, monk
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference  # and it serves on
 
 
+def test_one_failed_sequence_fails_its_whole_request_of_n(reference, monkeypatch):
+    """n = 2 under a grammar that fails mid-output for one sequence: the request ends with the error (both of
+    its sequences), the batch-mates keep their tokens."""
+    fill, failing = GrammarMatcher._fill, []
+
+    def failing_fill(self, words):  # the first matcher to reach 3 tokens fails, and only that one
+        if self._num_accepted >= 3 and (not failing or self is failing[0]):
+            failing[:] = [self]
+            raise GrammarError("injected")
+        fill(self, words)
+
+    monkeypatch.setattr(GrammarMatcher, "_fill", failing_fill)
+    llm = LLM(**ENGINE)
+    pair = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=24, ignore_eos=True,
+                          structured_outputs=StructuredOutputsParams(regex="[A-Za-z ,.]+"))
+    outputs = llm.generate(PROMPTS + ["Name a fruit:"], [GREEDY] * len(PROMPTS) + [pair], use_tqdm=False)
+    assert _tokens(outputs[:-1]) == reference
+    assert [c.finish_reason for c in outputs[-1].outputs] == ["error", "error"] and "injected" in outputs[-1].error
+    assert llm.get_metrics().num_requests_failed == 1 and not llm.llm_engine.has_unfinished_requests()
+
+
 def test_output_text_that_fails_fails_its_request_alone(reference, monkeypatch):
     detokenize = OutputProcessor._detokenize
 

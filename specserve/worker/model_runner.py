@@ -364,7 +364,7 @@ class ModelRunner:
                              len(inputs.req_ids))
             self.finished_since_draft |= inputs.finished_req_ids  # not delivered: told again next call
             self._stop_drafting(inputs.req_ids)
-            return {rid: d for rid, d in forced.items() if rid not in self.failed}
+            return forced
 
     def _may_draft(self, req_id: str) -> bool:
         """Not a request that failed this step, nor one the drafter failed on."""

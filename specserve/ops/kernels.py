@@ -33,7 +33,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "gemm_gguf.c", "gemm_q4_i8.c", "decoder.c", "greedy.c",
                         "kv_copy.c", "ngram.c")]
 HEADERS = [Path(__file__).parent / "csrc" / name
-           for name in ("specserve_math.h", "specserve_kernels.h", "gemm_common.h")]
+           for name in ("specserve_math.h", "specserve_kernels.h", "gemm_common.h", "gemm_q4_i8_path.h")]
 # -fno-trapping-math lets GCC vectorize floorf (no FP exceptions are relied on anywhere).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -69,7 +69,9 @@ def load_kernel():
     with _lock:
         if "lib" not in _loaded:
             try:
-                _loaded["lib"] = _bind(ctypes.CDLL(str(_build())))
+                lib = _bind(ctypes.CDLL(str(_build())))
+                _choose_int8_path(lib)
+                _loaded["lib"] = lib
             except (OSError, subprocess.SubprocessError, RuntimeError) as e:
                 _loaded["lib"], _loaded["error"] = None, str(e)
                 logger.warning("C kernels unavailable, using PyTorch ops: %s", e)
@@ -127,6 +129,9 @@ def _bind(lib):
         "weight_rows_f32": ([ptr, i64, i64, i64, ptr, i64, ptr], None),
         "lm_head_argmax_f32": ([ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr], ctypes.c_int),
         "ngram_match_i64": ([ptr, i64, i64, i64, i64], ctypes.c_int64),
+        "decoder_profile_f32": ([i64, ptr], None),
+        "q4_i8_supported": ([i64], ctypes.c_int),
+        "q4_i8_select": ([i64], ctypes.c_int),
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
                                  i64, i64, i64, i64, f32, f32, ptr, i64, ptr], ctypes.c_int),
     }
@@ -134,6 +139,40 @@ def _bind(lib):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
     return lib
+
+
+# Instruction-set paths of the 4-bit GEMM with int8 activations (csrc/gemm_q4_i8.c), slowest first: all give
+# the same bits; the fastest the CPU runs is used unless SPECSERVE_INT8_PATH names another.
+INT8_PATHS = ("portable", "avx2", "avx512_vnni")
+INT8_PATH_ENV = "SPECSERVE_INT8_PATH"
+
+
+def _choose_int8_path(lib) -> None:
+    runs = [name for i, name in enumerate(INT8_PATHS) if lib.q4_i8_supported(i)]
+    asked = os.environ.get(INT8_PATH_ENV, "").strip().lower() or "auto"
+    if asked not in ("auto", *INT8_PATHS):
+        raise ValueError(f"{INT8_PATH_ENV} must be one of {('auto', *INT8_PATHS)}, got {asked!r}")
+    if asked != "auto" and asked not in runs:
+        logger.warning("%s=%s: this CPU does not run it (it runs %s); using the fastest", INT8_PATH_ENV, asked, runs)
+        asked = "auto"
+    chosen = lib.q4_i8_select(-1 if asked == "auto" else INT8_PATHS.index(asked))
+    logger.info("4-bit GEMM with int8 activations: the %s path (this CPU runs %s)", INT8_PATHS[chosen], ", ".join(runs))
+
+
+def int8_paths() -> list[str]:
+    """The 4-bit GEMM's instruction-set paths this CPU runs, slowest first."""
+    lib = _lib()
+    return [name for i, name in enumerate(INT8_PATHS) if lib.q4_i8_supported(i)]
+
+
+def set_int8_path(name: str | None) -> str:
+    """Use the 4-bit GEMM's path `name` (None: the fastest this CPU runs) from now on, in this process;
+    returns the path in use. Raises ValueError for a path the CPU does not run."""
+    index = -1 if name is None else INT8_PATHS.index(name) if name in INT8_PATHS else len(INT8_PATHS)
+    chosen = _lib().q4_i8_select(index)
+    if chosen < 0:
+        raise ValueError(f"int8 path {name!r}: this CPU runs {int8_paths()}")
+    return INT8_PATHS[chosen]
 
 
 def _lib():
@@ -394,6 +433,17 @@ def decoder_forward(layers, x: torch.Tensor, final_norm: torch.Tensor, cos: torc
     if failed:
         raise MemoryError("decoder kernel: out of memory for its buffers")
     return out, (list(aux.unbind(0)) if aux is not None else None)
+
+
+DECODER_PROFILE_PARTS = ("projections", "attention", "other_ops")
+
+
+def decoder_profile(reset: bool = False) -> dict[str, float]:
+    """Profiling of the fused decoder stack (benchmarks only): seconds per part since the last call, and
+    profiling on from now on (`reset` starts it without reading)."""
+    out = (ctypes.c_double * len(DECODER_PROFILE_PARTS))()
+    _lib().decoder_profile_f32(1, None if reset else out)
+    return {} if reset else dict(zip(DECODER_PROFILE_PARTS, out))
 
 
 class TensorKeyed:

@@ -1,12 +1,15 @@
 """The int8-activation GEMM for 4-bit GGUF blocks (ops/csrc/gemm_q4_i8.c, QuantizedWeight.for_int8_activations):
 the integer math of a reference written here, rows independent of their batch and of the thread count, the
-same results from its AVX512-VNNI, AVX2 and portable builds, and the layout's round trips."""
+same bits from its AVX512-VNNI, AVX2 and portable paths (chosen at run time, all built on every x86 host),
+and the layout's round trips."""
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -115,35 +118,87 @@ def test_only_decoder_layers_four_bit_blocks_change():
     assert out["model.norm.weight"] is state["model.norm.weight"]
 
 
-def _build(tmp_path, name: str, flags: list[str]):
-    """gemm_q4_i8.c alone, compiled with `flags` (one instruction set), as a ctypes library."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    src = kernels.SOURCES[0].parent
-    out = tmp_path / f"{name}.so"
-    subprocess.run([cc, "-O3", *flags, "-fno-trapping-math", "-shared", "-fPIC", "-std=gnu11", f"-I{src}",
-                    str(src / "gemm_q4_i8.c"), "-o", str(out), "-lm"], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(out))
-    lib.gemm_q4_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    return lib
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 31, 33, 64)
+
+
+@pytest.fixture
+def restore_path():
+    yield
+    kernels.set_int8_path(None)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_path_gives_the_same_bits_for_1_to_64_rows(threads, restore_path):
+    """Each instruction-set path this CPU runs (AVX512-VNNI, AVX2, portable C: csrc/gemm_q4_i8.c) gives the
+    bits of the others, and on each a row's result is its one-row call's, whatever the batch and threads."""
+    paths = kernels.int8_paths()
+    assert paths[0] == "portable" and len(paths) == len(set(paths))
+    rng = np.random.default_rng(6)
+    weight = random_q4(rng, 1056, 576).for_int8_activations()  # 33 blocks: a partial share per thread
+    x = torch.from_numpy((rng.standard_normal((64, 576)) * rng.uniform(0.01, 30, (64, 1))).astype(np.float32))
+    x[5, 64:96] = 0.0
+    bias = torch.from_numpy(rng.standard_normal(1056).astype(np.float32))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = {}
+        for path in paths:
+            assert kernels.set_int8_path(path) == path
+            alone = torch.cat([kernels.gemm_weight(x[i:i + 1], weight.packed, weight.weight_format, bias, 1056)
+                               for i in range(64)])
+            for rows in ROW_COUNTS:
+                got = kernels.gemm_weight(x[:rows], weight.packed, weight.weight_format, bias, 1056)
+                assert torch.equal(got, alone[:rows]), (path, rows)
+            results[path] = alone
+    finally:
+        torch.set_num_threads(previous)
+    for path in paths[1:]:
+        assert torch.equal(results[path], results["portable"]), path
+    want = reference(x, weight, bias)
+    assert torch.allclose(results["portable"], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_a_path_the_cpu_lacks_is_refused(restore_path):
+    missing = [p for p in kernels.INT8_PATHS if p not in kernels.int8_paths()]
+    for path in [*missing, "sse9"]:
+        with pytest.raises(ValueError, match="this CPU runs"):
+            kernels.set_int8_path(path)
+    assert kernels.set_int8_path(None) == kernels.int8_paths()[-1]  # the fastest by default
+
+
+def test_the_path_can_be_chosen_by_environment():
+    code = "from specserve.ops import kernels; kernels.load_kernel()"
+    env = {**os.environ, kernels.INT8_PATH_ENV: "portable"}
+    out = subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig(level=logging.INFO); " + code],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "the portable path" in out.stderr
+    env[kernels.INT8_PATH_ENV] = "avx9000"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and kernels.INT8_PATH_ENV in out.stderr and "portable" in out.stderr
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
-def test_instruction_sets_agree(tmp_path):
-    """The VNNI, AVX2 and portable dot products are the same integer sums; the fp32 epilogue rounds alike
-    wherever the compiler fuses its multiply-adds (FMA builds), within an ulp or so elsewhere."""
+def test_a_baseline_x86_build_holds_every_path(tmp_path):
+    """Built for the x86-64 baseline (no AVX), gemm_q4_i8.c still holds the AVX2 and AVX512-VNNI paths
+    (function-level target attributes), and each path the CPU runs gives the main library's bits."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    src = kernels.SOURCES[0].parent
+    out = tmp_path / "baseline.so"
+    subprocess.run([cc, "-O3", "-march=x86-64", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11",
+                    f"-I{src}", str(src / "gemm_q4_i8.c"), "-o", str(out), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(out))
+    lib.gemm_q4_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.q4_i8_select.argtypes = lib.q4_i8_supported.argtypes = [ctypes.c_int64]
+    runs = [name for i, name in enumerate(kernels.INT8_PATHS) if lib.q4_i8_supported(i)]
+    assert runs == kernels.int8_paths()
     rng = np.random.default_rng(5)
     weight = random_q4(rng, 96, 192).for_int8_activations()
     x = torch.from_numpy(rng.standard_normal((7, 192)).astype(np.float32))
-    builds = {"portable": ["-march=x86-64"], "avx2": ["-march=haswell"], "native": ["-march=native"]}
-    results = {}
-    for name, flags in builds.items():
-        try:
-            lib = _build(tmp_path, name, flags)
-        except (subprocess.CalledProcessError, OSError) as e:
-            pytest.fail(f"gemm_q4_i8.c does not build with {flags}: {getattr(e, 'stderr', e)}")
-        y = torch.empty(7, 96)
-        assert lib.gemm_q4_i8(x.data_ptr(), weight.packed.data_ptr(), None, y.data_ptr(), 7, 192, 96) == 0
-        results[name] = y
-    assert torch.equal(results["avx2"], results["native"])
-    assert torch.allclose(results["portable"], results["native"], rtol=1e-6, atol=1e-6)
-    assert torch.allclose(results["native"], reference(x, weight), rtol=1e-5, atol=1e-5)
+    want = kernels.gemm_weight(x, weight.packed, weight.weight_format, None, 96)
+    for i, name in enumerate(kernels.INT8_PATHS):
+        if name in runs:
+            assert lib.q4_i8_select(i) == i
+            y = torch.empty(7, 96)
+            assert lib.gemm_q4_i8(x.data_ptr(), weight.packed.data_ptr(), None, y.data_ptr(), 7, 192, 96) == 0
+            assert torch.equal(y, want), name

@@ -9,11 +9,32 @@
  * aux_layers [num_aux] (ascending) names the layers whose input (the residual stream entering the layer,
  * before its norm) is copied to aux_out [num_aux, N, hidden], for drafters that read intermediate states.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "specserve_kernels.h"
+
+/* Seconds spent in each part of the stack since the last reset, when profiling is on (benchmarks only:
+ * decoder_profile_f32). Order: projections, attention, the rest (norms, rotary, activation, cache writes). */
+enum { PROFILE_PROJECTIONS, PROFILE_ATTENTION, PROFILE_OTHER, PROFILE_PARTS };
+static int profile_on;
+static double profile[PROFILE_PARTS];
+
+static inline double profile_mark(int part, double since) {
+    if (!profile_on) return 0.0;
+    const double now = omp_get_wtime();
+    if (part >= 0) profile[part] += now - since;
+    return now;
+}
+
+/* on: 1 profiles from now on, 0 stops; out (PROFILE_PARTS doubles, or NULL) gets the totals, then reset. */
+void decoder_profile_f32(int64_t on, double *out) {
+    if (out) memcpy(out, profile, sizeof profile);
+    memset(profile, 0, sizeof profile);
+    profile_on = (int)on;
+}
 
 /* One projection: int8 weights with per-column scales (scale set), or packed blocks of another format
  * (scale NULL: gemm_weight's fp32, F16 or GGUF blocks). */
@@ -59,29 +80,40 @@ int decoder_forward_f32(const layer_t *layers, int64_t num_layers, float *x, flo
     float *gate_up = attn + N * q_size, *act = gate_up + N * 2 * inter, *mlp = act + N * inter;
     int failed = 0;
     int64_t next_aux = 0;
+    double t = profile_mark(-1, 0.0);
     for (int64_t i = 0; i < num_layers && !failed; i++) {
         const layer_t *L = &layers[i];
         add_rms_norm_f32(i ? mlp : NULL, x, L->input_norm, h, N, hidden, eps);
         if (next_aux < num_aux && aux_layers[next_aux] == i)  /* x now holds the layer's input */
             memcpy(aux_out + next_aux++ * N * hidden, x, sizeof(float) * N * hidden);
+        t = profile_mark(PROFILE_OTHER, t);
         linear(&L->qkv, h, qkv, N, hidden, qkv_size);
+        t = profile_mark(PROFILE_PROJECTIONS, t);
         rope_qk_f32(qkv, cos, sin, N, qkv_size, num_heads + num_kv_heads, head_dim);
-        for (int64_t t = 0; t < N; t++) {
-            const float *row = qkv + t * qkv_size;
-            memcpy(q + t * q_size, row, sizeof(float) * q_size);
-            store_key(L->k_cache, slot_mapping[t], row + q_size, kv_size, block_size);
-            memcpy(L->v_cache + slot_mapping[t] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
+        for (int64_t r = 0; r < N; r++) {
+            const float *row = qkv + r * qkv_size;
+            memcpy(q + r * q_size, row, sizeof(float) * q_size);
+            store_key(L->k_cache, slot_mapping[r], row + q_size, kv_size, block_size);
+            memcpy(L->v_cache + slot_mapping[r] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
         }
+        t = profile_mark(PROFILE_OTHER, t);
         failed = paged_attention_f32(q, attn, L->k_cache, L->v_cache, block_table, table_width, query_start,
                                      query_len, context_len, num_seqs, num_heads, num_kv_heads, head_dim,
                                      block_size, scale);
+        t = profile_mark(PROFILE_ATTENTION, t);
         linear(&L->o_proj, attn, mlp, N, q_size, hidden);
+        t = profile_mark(PROFILE_PROJECTIONS, t);
         add_rms_norm_f32(mlp, x, L->post_norm, h, N, hidden, eps);
+        t = profile_mark(PROFILE_OTHER, t);
         linear(&L->gate_up, h, gate_up, N, hidden, 2 * inter);
+        t = profile_mark(PROFILE_PROJECTIONS, t);
         silu_mul_f32(gate_up, act, N, inter);
+        t = profile_mark(PROFILE_OTHER, t);
         linear(&L->down, act, mlp, N, inter, hidden);
+        t = profile_mark(PROFILE_PROJECTIONS, t);
     }
     if (!failed) add_rms_norm_f32(num_layers ? mlp : NULL, x, final_norm, out, N, hidden, eps);
+    profile_mark(PROFILE_OTHER, t);
     free(buf);
     return failed;
 }

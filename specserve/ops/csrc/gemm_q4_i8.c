@@ -11,6 +11,12 @@
  * 64 u8 x s8 products into 16 int32 lanes, twice for the two digits) where the fp32 GEMM spends two FMAs and
  * the dequantization, so a one-token step is bound by the blocks' bytes and extra verified rows are cheap.
  *
+ * Instruction-set paths: the kernel is compiled once per path (gemm_q4_i8_path.h) with function-level target
+ * attributes, so every x86 build holds all of them whatever the build host has, and one is chosen at run time
+ * from the CPU's flags (q4_i8_select): AVX512-VNNI, AVX2 (vpmaddubsw + vpmaddwd: the same integer sums) and
+ * portable C. The integer sums are exact on each and the epilogue's multiply-adds are explicit fused ones, so
+ * every path gives the same bits.
+ *
  * Packed layout (WEIGHT_Q4_I8): gemm_gguf.c's Q4 records (a[32], b[32], then the group's q) with the q bytes
  * of each group reordered from [k][16] to [k / 4][16][4]: byte 4j + i of quad t holds column j (low nibble)
  * and column j + 16 (high nibble) at k = 4t + i, so one 64-byte load gives 16 columns x 4 k's for each half.
@@ -19,6 +25,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define Q4_X86 1
+#endif
 
 #include "gemm_common.h"
 #include "specserve_kernels.h"
@@ -32,21 +42,63 @@
  * records ahead) leaves the loads waiting on memory, ~3.4 ms for a 2-row call on a 75 MB weight against
  * 2.0-3.0 ms with these. */
 #define I8_PREFETCH 8
+#define ALWAYS_INLINE __attribute__((always_inline))
 
 typedef int32_t i32v __attribute__((vector_size(64)));
 typedef uint8_t u8v __attribute__((vector_size(64)));
 
+enum { Q4_PORTABLE, Q4_AVX2, Q4_VNNI, Q4_PATHS };
+
+/* ---- the portable path: plain C (vectorized as the build's flags allow) ---- */
+
 /* For each of 16 int32 lanes j: acc[j] + sum_i u[4j + i] * s[i], with s the four int8 of s4. */
-static inline __attribute__((always_inline)) i32v dot4(i32v acc, u8v u, int32_t s4) {
-#if defined(__AVX512VNNI__)
-    __m512i a, uu;
-    memcpy(&a, &acc, sizeof a);
-    memcpy(&uu, &u, sizeof uu);
-    a = _mm512_dpbusd_epi32(a, uu, _mm512_set1_epi32(s4));
-    memcpy(&acc, &a, sizeof acc);
+static inline ALWAYS_INLINE i32v dot4_portable(i32v acc, u8v u, int32_t s4) {
+    int8_t s[4];
+    memcpy(s, &s4, sizeof s);
+    for (int j = 0; j < 16; j++)
+        acc[j] += u[4 * j] * s[0] + u[4 * j + 1] * s[1] + u[4 * j + 2] * s[2] + u[4 * j + 3] * s[3];
     return acc;
-#elif defined(__AVX2__)
-    /* u <= 15, |s| <= 127: each pair sum of maddubs fits int16 (no saturation), so this equals vpdpbusd */
+}
+
+/* a * b + c rounded once, lane by lane (what vfmadd does) */
+static inline ALWAYS_INLINE v16 fmadd_portable(v16 a, v16 b, v16 c) {
+    for (int j = 0; j < 16; j++) c[j] = fmaf(a[j], b[j], c[j]);
+    return c;
+}
+
+/* One group of 32 values -> hi[32], lo[32] (x ~ d * (hi + lo / 256), d = max|x| / 127); returns
+ * sum(256 hi + lo) and sets *d. */
+static inline ALWAYS_INLINE int32_t quantize_group_portable(const float *v, int8_t *hi, int8_t *lo, float *d_out) {
+    float amax = 0.0f;
+    for (int i = 0; i < QGROUP; i++) amax = fmaxf(amax, fabsf(v[i]));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < QGROUP; i++) {
+        const float r = v[i] * inv;
+        const int h = (int)nearbyintf(r);
+        int l = (int)nearbyintf((r - (float)h) * 256.0f);
+        l = l > 127 ? 127 : l < -127 ? -127 : l;
+        hi[i] = (int8_t)h;
+        lo[i] = (int8_t)l;
+        sum += 256 * h + l;
+    }
+    *d_out = d;
+    return sum;
+}
+
+#define Q4_PATH portable
+#define Q4_TARGET
+#define Q4_DOT4 dot4_portable
+#define Q4_FMADD fmadd_portable
+#define Q4_QUANTIZE_GROUP quantize_group_portable
+#include "gemm_q4_i8_path.h"
+
+#if defined(Q4_X86)
+/* ---- AVX2 (+ FMA) ---- */
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+
+/* u <= 15, |s| <= 127: each pair sum of vpmaddubsw fits int16 (no saturation), so this equals vpdpbusd */
+TARGET_AVX2 static inline ALWAYS_INLINE i32v dot4_avx2(i32v acc, u8v u, int32_t s4) {
     __m256i u0, u1;
     memcpy(&u0, &u, sizeof u0);
     memcpy(&u1, (const char *)&u + 32, sizeof u1);
@@ -57,110 +109,179 @@ static inline __attribute__((always_inline)) i32v dot4(i32v acc, u8v u, int32_t 
     memcpy(&p, &p0, sizeof p0);
     memcpy((char *)&p + 32, &p1, sizeof p1);
     return acc + p;
-#else
-    int8_t s[4];
-    memcpy(s, &s4, sizeof s);
-    for (int j = 0; j < 16; j++)
-        acc[j] += u[4 * j] * s[0] + u[4 * j + 1] * s[1] + u[4 * j + 2] * s[2] + u[4 * j + 3] * s[3];
-    return acc;
-#endif
 }
 
-/* x [M, K] -> two int8 digits per value, per group of 32 k's with d = max|x| / 127: x ~ d * (hi + lo / 256),
- * hi = round(x / d), lo = round(256 * (x / d - hi)) (clamped to +-127). Row m's digits are q[2mK .. 2mK + K)
- * (hi) and q[2mK + K .. 2mK + 2K) (lo); per group the unit u = d / 256 [M, K / 32] and u * sum(256 hi + lo). */
-void quantize_rows_i8(const float *x, int64_t M, int64_t K, int8_t *q, float *unit, float *usum) {
-    const int64_t ng = K / QGROUP;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < ng; g++) {
-            const float *v = x + m * K + g * QGROUP;
-            int8_t *hi = q + 2 * m * K + g * QGROUP, *lo = hi + K;
-            float amax = 0.0f;
-            for (int i = 0; i < QGROUP; i++) amax = fmaxf(amax, fabsf(v[i]));
-            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            int32_t sum = 0;
-            for (int i = 0; i < QGROUP; i++) {
-                const float r = v[i] * inv;
-                const int h = (int)nearbyintf(r);
-                int l = (int)nearbyintf((r - (float)h) * 256.0f);
-                l = l > 127 ? 127 : l < -127 ? -127 : l;
-                hi[i] = (int8_t)h;
-                lo[i] = (int8_t)l;
-                sum += 256 * h + l;
-            }
-            unit[m * ng + g] = d / 256.0f;
-            usum[m * ng + g] = d / 256.0f * (float)sum;
-        }
-}
-
-static inline __attribute__((always_inline)) void block_rows_i8(const uint8_t *restrict w, const int8_t *restrict xq,
-                                                                const float *restrict xu, const float *restrict xs,
-                                                                int64_t K, float *restrict y, int64_t N,
-                                                                int64_t ncols, const float *bias, const int rows) {
-    v16 acc[I8_ROWS][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (v16){0};
-    const int64_t ng = K / QGROUP;
-    for (int64_t g = 0; g < ng; g++) {
-        const uint8_t *rec = w + g * Q4_RECORD, *q = rec + 2 * BLOCK * sizeof(float);
-        for (int line = 0; line < Q4_RECORD; line += 64) __builtin_prefetch(rec + I8_PREFETCH * Q4_RECORD + line);
-        v16 a0, a1, b0, b1;
-        memcpy(&a0, rec, sizeof a0);
-        memcpy(&a1, rec + 64, sizeof a1);
-        memcpy(&b0, rec + 128, sizeof b0);
-        memcpy(&b1, rec + 192, sizeof b1);
-        i32v hi[I8_ROWS][2], lo[I8_ROWS][2];  /* per row and half: sums of q_w * hi and q_w * lo */
-        for (int m = 0; m < rows; m++) hi[m][0] = hi[m][1] = lo[m][0] = lo[m][1] = (i32v){0};
-        for (int t = 0; t < QGROUP / 4; t++) {
-            u8v v;
-            memcpy(&v, q + t * 64, sizeof v);
-            const u8v w0 = v & 15, w1 = v >> 4;
-            for (int m = 0; m < rows; m++) {
-                const int8_t *xm = xq + 2 * m * K + g * QGROUP + 4 * t;
-                int32_t h4, l4;
-                memcpy(&h4, xm, sizeof h4);
-                memcpy(&l4, xm + K, sizeof l4);
-                hi[m][0] = dot4(hi[m][0], w0, h4);
-                hi[m][1] = dot4(hi[m][1], w1, h4);
-                lo[m][0] = dot4(lo[m][0], w0, l4);
-                lo[m][1] = dot4(lo[m][1], w1, l4);
-            }
-        }
-        for (int m = 0; m < rows; m++) {
-            /* 256 * hi + lo is exact in int32 (|.| < 2^24) and in fp32 */
-            const float u = xu[m * ng + g], s = xs[m * ng + g];
-            acc[m][0] = __builtin_convertvector((hi[m][0] << 8) + lo[m][0], v16) * (a0 * u) + acc[m][0];
-            acc[m][0] = b0 * s + acc[m][0];
-            acc[m][1] = __builtin_convertvector((hi[m][1] << 8) + lo[m][1], v16) * (a1 * u) + acc[m][1];
-            acc[m][1] = b1 * s + acc[m][1];
-        }
+TARGET_AVX2 static inline ALWAYS_INLINE v16 fmadd_avx2(v16 a, v16 b, v16 c) {
+    __m256 r[2];
+    for (int h = 0; h < 2; h++) {
+        __m256 x, y, z;
+        memcpy(&x, (const char *)&a + 32 * h, 32);
+        memcpy(&y, (const char *)&b + 32 * h, 32);
+        memcpy(&z, (const char *)&c + 32 * h, 32);
+        r[h] = _mm256_fmadd_ps(x, y, z);
     }
-    store_rows(acc, y, N, ncols, NULL, bias, rows);
+    memcpy(&c, r, sizeof c);
+    return c;
+}
+
+/* quantize_group_portable's numbers, 8 lanes at a time (vcvtps2dq rounds to nearest even, as nearbyintf) */
+TARGET_AVX2 static inline ALWAYS_INLINE int32_t quantize_group_avx2(const float *v, int8_t *hi, int8_t *lo,
+                                                                    float *d_out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < QGROUP; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, m);
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, lanes[i]);
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv), k256 = _mm256_set1_ps(256.0f);
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    __m256i sum = _mm256_setzero_si256();
+    for (int i = 0; i < QGROUP; i += 8) {
+        const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(v + i), vinv);
+        const __m256i h = _mm256_cvtps_epi32(r);
+        __m256i l = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(r, _mm256_cvtepi32_ps(h)), k256));
+        l = _mm256_max_epi32(_mm256_min_epi32(l, top), bottom);
+        sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_slli_epi32(h, 8), l));
+        int32_t hv[8], lv[8];
+        _mm256_storeu_si256((__m256i *)hv, h);
+        _mm256_storeu_si256((__m256i *)lv, l);
+        for (int j = 0; j < 8; j++) hi[i + j] = (int8_t)hv[j], lo[i + j] = (int8_t)lv[j];
+    }
+    int32_t s[8], total = 0;
+    _mm256_storeu_si256((__m256i *)s, sum);
+    for (int j = 0; j < 8; j++) total += s[j];
+    *d_out = d;
+    return total;
+}
+
+#undef Q4_PATH
+#undef Q4_TARGET
+#undef Q4_DOT4
+#undef Q4_FMADD
+#undef Q4_QUANTIZE_GROUP
+#define Q4_PATH avx2
+#define Q4_TARGET TARGET_AVX2
+#define Q4_DOT4 dot4_avx2
+#define Q4_FMADD fmadd_avx2
+#define Q4_QUANTIZE_GROUP quantize_group_avx2
+#include "gemm_q4_i8_path.h"
+
+/* ---- AVX512-VNNI ---- */
+#define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+
+TARGET_VNNI static inline ALWAYS_INLINE i32v dot4_vnni(i32v acc, u8v u, int32_t s4) {
+    __m512i a, uu;
+    memcpy(&a, &acc, sizeof a);
+    memcpy(&uu, &u, sizeof uu);
+    a = _mm512_dpbusd_epi32(a, uu, _mm512_set1_epi32(s4));
+    memcpy(&acc, &a, sizeof acc);
+    return acc;
+}
+
+TARGET_VNNI static inline ALWAYS_INLINE v16 fmadd_vnni(v16 a, v16 b, v16 c) {
+    __m512 x, y, z;
+    memcpy(&x, &a, sizeof x);
+    memcpy(&y, &b, sizeof y);
+    memcpy(&z, &c, sizeof z);
+    z = _mm512_fmadd_ps(x, y, z);
+    memcpy(&c, &z, sizeof c);
+    return c;
+}
+
+TARGET_VNNI static inline ALWAYS_INLINE int32_t quantize_group_vnni(const float *v, int8_t *hi, int8_t *lo,
+                                                                    float *d_out) {
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m512 vinv = _mm512_set1_ps(inv), k256 = _mm512_set1_ps(256.0f);
+    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < 2; i++) {
+        const __m512 r = _mm512_mul_ps(i ? v1 : v0, vinv);
+        const __m512i h = _mm512_cvtps_epi32(r);
+        __m512i l = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(r, _mm512_cvtepi32_ps(h)), k256));
+        l = _mm512_max_epi32(_mm512_min_epi32(l, top), bottom);
+        sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_slli_epi32(h, 8), l));
+        _mm_storeu_si128((__m128i *)(hi + 16 * i), _mm512_cvtepi32_epi8(h));
+        _mm_storeu_si128((__m128i *)(lo + 16 * i), _mm512_cvtepi32_epi8(l));
+    }
+    *d_out = d;
+    return _mm512_reduce_add_epi32(sum);
+}
+
+#undef Q4_PATH
+#undef Q4_TARGET
+#undef Q4_DOT4
+#undef Q4_FMADD
+#undef Q4_QUANTIZE_GROUP
+#define Q4_PATH vnni
+#define Q4_TARGET TARGET_VNNI
+#define Q4_DOT4 dot4_vnni
+#define Q4_FMADD fmadd_vnni
+#define Q4_QUANTIZE_GROUP quantize_group_vnni
+#include "gemm_q4_i8_path.h"
+#endif /* Q4_X86 */
+
+/* ---- choosing a path ---- */
+
+/* Whether this CPU (and its OS, for the vector state) runs `path`. */
+int q4_i8_supported(int64_t path) {
+    switch (path) {
+        case Q4_PORTABLE: return 1;
+#if defined(Q4_X86)
+        case Q4_AVX2:
+            __builtin_cpu_init();
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        case Q4_VNNI:
+            __builtin_cpu_init();
+            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                   __builtin_cpu_supports("fma");
+#endif
+        default: return 0;
+    }
+}
+
+static int q4_path = -1;
+
+/* Use `path` from now on (-1: the fastest this CPU runs); returns the path in use, or -1 (and nothing
+ * changes) when the CPU cannot run `path`. */
+int q4_i8_select(int64_t path) {
+    if (path < 0) {
+        for (path = Q4_PATHS - 1; !q4_i8_supported(path); path--) {}
+    } else if (path >= Q4_PATHS || !q4_i8_supported(path)) {
+        return -1;
+    }
+    q4_path = (int)path;
+    return q4_path;
+}
+
+/* x [M, K] -> per row and group of 32 the two int8 digits, q[2mK .. 2mK + K) (hi) and q[2mK + K .. 2mK + 2K)
+ * (lo), the unit u = d / 256 [M, K / 32] and u * sum(256 hi + lo), with `path`'s instructions. */
+static void quantize_rows(int path, const float *x, int64_t M, int64_t K, int8_t *q, float *unit, float *usum) {
+#if defined(Q4_X86)
+    if (path == Q4_VNNI) return quantize_rows_vnni(x, M, K, q, unit, usum);
+    if (path == Q4_AVX2) return quantize_rows_avx2(x, M, K, q, unit, usum);
+#endif
+    quantize_rows_portable(x, M, K, q, unit, usum);
 }
 
 /* x: [M, K] fp32 (K a multiple of 32); packed: WEIGHT_Q4_I8 records; bias: [N] or NULL; y: [M, N].
  * Returns 0, or 1 when the activations' buffer cannot be allocated. */
 int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N) {
-    const int64_t ng = K / QGROUP, nblocks = (N + BLOCK - 1) / BLOCK, block_bytes = ng * Q4_RECORD;
+    const int path = q4_path >= 0 ? q4_path : q4_i8_select(-1);
+    const int64_t ng = K / QGROUP;
     int8_t *xq = malloc(2 * M * K + 2 * M * ng * sizeof(float) + 64);
     if (!xq) return 1;
     float *xu = (float *)(xq + ((2 * M * K + 63) & ~(int64_t)63)), *xs = xu + M * ng;
-    quantize_rows_i8(x, M, K, xq, xu, xs);
-#pragma omp parallel for schedule(static) if (M * K * N >= (1 << 18))
-    for (int64_t b = 0; b < nblocks; b++) {
-        const uint8_t *w = packed + b * block_bytes;
-        const int64_t col = b * BLOCK, ncols = N - col < BLOCK ? N - col : BLOCK;
-        const float *bb = bias ? bias + col : NULL;
-        int64_t m = 0;
-#define CALL_I8(rows) \
-    block_rows_i8(w, xq + 2 * m * K, xu + m * ng, xs + m * ng, K, y + m * N + col, N, ncols, bb, rows)
-        for (; m + I8_ROWS <= M; m += I8_ROWS) CALL_I8(I8_ROWS);
-        switch (M - m) {
-            case 1: CALL_I8(1); break;
-            case 2: CALL_I8(2); break;
-            case 3: CALL_I8(3); break;
-            default: break;
-        }
-#undef CALL_I8
+    quantize_rows(path, x, M, K, xq, xu, xs);
+    switch (path) {
+#if defined(Q4_X86)
+        case Q4_VNNI: gemm_blocks_vnni(xq, xu, xs, packed, bias, y, M, K, N); break;
+        case Q4_AVX2: gemm_blocks_avx2(xq, xu, xs, packed, bias, y, M, K, N); break;
+#endif
+        default: gemm_blocks_portable(xq, xu, xs, packed, bias, y, M, K, N); break;
     }
     free(xq);
     return 0;

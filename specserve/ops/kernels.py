@@ -33,7 +33,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "gemm_gguf.c", "gemm_q4_i8.c", "decoder.c", "greedy.c",
                         "kv_copy.c", "ngram.c")]
 HEADERS = [Path(__file__).parent / "csrc" / name
-           for name in ("specserve_math.h", "specserve_kernels.h", "gemm_common.h", "gemm_q4_i8_path.h")]
+           for name in ("specserve_math.h", "specserve_kernels.h", "gemm_common.h", "gemm_q4_i8_path.h", "gemm_q4_i8_amx.h")]
 # -fno-trapping-math lets GCC vectorize floorf (no FP exceptions are relied on anywhere).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -132,6 +132,7 @@ def _bind(lib):
         "decoder_profile_f32": ([i64, ptr], None),
         "q4_i8_supported": ([i64], ctypes.c_int),
         "q4_i8_select": ([i64], ctypes.c_int),
+        "q4_i8_amx_check_in_child": ([i64], ctypes.c_int),
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
                                  i64, i64, i64, i64, f32, f32, ptr, i64, ptr], ctypes.c_int),
     }
@@ -142,8 +143,10 @@ def _bind(lib):
 
 
 # Instruction-set paths of the 4-bit GEMM with int8 activations (csrc/gemm_q4_i8.c), slowest first: all give
-# the same bits; the fastest the CPU runs is used unless SPECSERVE_INT8_PATH names another.
-INT8_PATHS = ("portable", "avx2", "avx512_vnni")
+# the same bits; the fastest the CPU runs is used unless SPECSERVE_INT8_PATH names another. AMX_EMULATED is the
+# AMX path's code with the tile instructions written in C, for tests on CPUs without AMX: never chosen by itself.
+INT8_PATHS = ("portable", "avx2", "avx512_vnni", "amx")
+AMX_EMULATED = "amx_emulated"
 INT8_PATH_ENV = "SPECSERVE_INT8_PATH"
 
 
@@ -166,13 +169,14 @@ def int8_paths() -> list[str]:
 
 
 def set_int8_path(name: str | None) -> str:
-    """Use the 4-bit GEMM's path `name` (None: the fastest this CPU runs) from now on, in this process;
-    returns the path in use. Raises ValueError for a path the CPU does not run."""
-    index = -1 if name is None else INT8_PATHS.index(name) if name in INT8_PATHS else len(INT8_PATHS)
+    """Use the 4-bit GEMM's path `name` (one of INT8_PATHS, or AMX_EMULATED; None: the fastest this CPU runs)
+    from now on, in this process; returns the path in use. Raises ValueError for a path the CPU does not run."""
+    names = (*INT8_PATHS, AMX_EMULATED)
+    index = -1 if name is None else names.index(name) if name in names else len(names)
     chosen = _lib().q4_i8_select(index)
     if chosen < 0:
         raise ValueError(f"int8 path {name!r}: this CPU runs {int8_paths()}")
-    return INT8_PATHS[chosen]
+    return names[chosen]
 
 
 def _lib():

@@ -127,27 +127,35 @@ def restore_path():
     kernels.set_int8_path(None)
 
 
+def paths_to_test() -> list[str]:
+    """The paths this CPU runs, and the AMX path's code with emulated tiles where the VNNI path runs (so the
+    AMX kernel's layouts and epilogue are checked on CPUs without AMX too)."""
+    paths = kernels.int8_paths()
+    return paths + ([kernels.AMX_EMULATED] if "avx512_vnni" in paths else [])
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_path_gives_the_same_bits_for_1_to_64_rows(threads, restore_path):
-    """Each instruction-set path this CPU runs (AVX512-VNNI, AVX2, portable C: csrc/gemm_q4_i8.c) gives the
-    bits of the others, and on each a row's result is its one-row call's, whatever the batch and threads."""
-    paths = kernels.int8_paths()
+    """Each instruction-set path (AMX, AVX512-VNNI, AVX2, portable C: csrc/gemm_q4_i8.c) gives the bits of the
+    others, and on each a row's result is its one-row call's, whatever the batch and the thread count."""
+    paths = paths_to_test()
     assert paths[0] == "portable" and len(paths) == len(set(paths))
     rng = np.random.default_rng(6)
-    weight = random_q4(rng, 1056, 576).for_int8_activations()  # 33 blocks: a partial share per thread
+    n = 1000  # 31 blocks and a partial one: unequal shares per thread
+    weight = random_q4(rng, n, 576).for_int8_activations()
     x = torch.from_numpy((rng.standard_normal((64, 576)) * rng.uniform(0.01, 30, (64, 1))).astype(np.float32))
     x[5, 64:96] = 0.0
-    bias = torch.from_numpy(rng.standard_normal(1056).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         results = {}
         for path in paths:
             assert kernels.set_int8_path(path) == path
-            alone = torch.cat([kernels.gemm_weight(x[i:i + 1], weight.packed, weight.weight_format, bias, 1056)
+            alone = torch.cat([kernels.gemm_weight(x[i:i + 1], weight.packed, weight.weight_format, bias, n)
                                for i in range(64)])
             for rows in ROW_COUNTS:
-                got = kernels.gemm_weight(x[:rows], weight.packed, weight.weight_format, bias, 1056)
+                got = kernels.gemm_weight(x[:rows], weight.packed, weight.weight_format, bias, n)
                 assert torch.equal(got, alone[:rows]), (path, rows)
             results[path] = alone
     finally:
@@ -158,12 +166,20 @@ def test_every_path_gives_the_same_bits_for_1_to_64_rows(threads, restore_path):
     assert torch.allclose(results["portable"], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def test_the_amx_self_check_runs_in_a_child():
+    """Before the AMX path is taken, a forked child checks its bits against the VNNI path's; here with the
+    emulated tiles (the real ones need an AMX CPU, where int8_paths lists "amx" only after it passed)."""
+    if "avx512_vnni" not in kernels.int8_paths():
+        pytest.skip("the check compares against the AVX512-VNNI path")
+    assert kernels._lib().q4_i8_amx_check_in_child(1) == 1
+
+
 def test_a_path_the_cpu_lacks_is_refused(restore_path):
     missing = [p for p in kernels.INT8_PATHS if p not in kernels.int8_paths()]
     for path in [*missing, "sse9"]:
         with pytest.raises(ValueError, match="this CPU runs"):
             kernels.set_int8_path(path)
-    assert kernels.set_int8_path(None) == kernels.int8_paths()[-1]  # the fastest by default
+    assert kernels.set_int8_path(None) == kernels.int8_paths()[-1]  # the fastest by default, never emulated
 
 
 def test_the_path_can_be_chosen_by_environment():

@@ -273,3 +273,11 @@ def test_argmax_matches_torch_on_ties_nans_and_infinities():
     assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
     assert kernels.argmax_rows(x.double()).dtype == torch.int64  # other dtypes: torch's
     assert torch.equal(kernels.argmax_rows(x.t().contiguous().t()), x.argmax(dim=-1))  # non-contiguous: torch's
+
+
+def test_the_build_key_covers_every_source_file():
+    """The cached library is keyed by the files listed: a C file or header left out would let a stale
+    build survive its edits."""
+    csrc = kernels.SOURCES[0].parent
+    assert {p.name for p in csrc.iterdir() if p.suffix in (".c", ".h")} == {
+        p.name for p in kernels.SOURCES + kernels.HEADERS}

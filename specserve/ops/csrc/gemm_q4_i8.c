@@ -14,8 +14,10 @@
  * Instruction-set paths: the kernel is compiled once per path (gemm_q4_i8_path.h) with function-level target
  * attributes, so every x86 build holds all of them whatever the build host has, and one is chosen at run time
  * from the CPU's flags (q4_i8_select): AVX512-VNNI, AVX2 (vpmaddubsw + vpmaddwd: the same integer sums) and
- * portable C. The integer sums are exact on each and the epilogue's multiply-adds are explicit fused ones, so
- * every path gives the same bits.
+ * portable C, and AMX tiles (gemm_q4_i8_amx.h) where the CPU has them and Linux grants the tile state. The
+ * integer sums are exact on each and the epilogue's multiply-adds are explicit fused ones, so every path gives
+ * the same bits. The AMX path is taken only after a forked child has run it on a fixed problem and given the
+ * VNNI path's bits (a fault or a wrong result there costs the child, not the process).
  *
  * Packed layout (WEIGHT_Q4_I8): gemm_gguf.c's Q4 records (a[32], b[32], then the group's q) with the q bytes
  * of each group reordered from [k][16] to [k / 4][16][4]: byte 4j + i of quad t holds column j (low nibble)
@@ -25,8 +27,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__x86_64__) || defined(__i386__)
+#include <omp.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
 #define Q4_X86 1
 #endif
 
@@ -47,7 +56,9 @@
 typedef int32_t i32v __attribute__((vector_size(64)));
 typedef uint8_t u8v __attribute__((vector_size(64)));
 
-enum { Q4_PORTABLE, Q4_AVX2, Q4_VNNI, Q4_PATHS };
+/* Q4_AMX_EMULATED: the AMX path's code with the tile instructions written in C, for tests; never chosen
+ * by default. */
+enum { Q4_PORTABLE, Q4_AVX2, Q4_VNNI, Q4_AMX, Q4_AMX_EMULATED, Q4_PATHS };
 
 /* ---- the portable path: plain C (vectorized as the build's flags allow) ---- */
 
@@ -221,11 +232,155 @@ TARGET_VNNI static inline ALWAYS_INLINE int32_t quantize_group_vnni(const float 
 #define Q4_FMADD fmadd_vnni
 #define Q4_QUANTIZE_GROUP quantize_group_vnni
 #include "gemm_q4_i8_path.h"
+
+/* ---- AMX ---- */
+#define AMX_ROWS 16 /* activation rows per A tile */
+/* Tile registers (literal numbers: GCC's tile intrinsics paste them into the instruction) */
+#define TILE_C0 0
+#define TILE_C1 1
+#define TILE_C2 2
+#define TILE_C3 3
+#define TILE_AHI 4
+#define TILE_ALO 5
+#define TILE_B0 6
+#define TILE_B1 7
+
+/* The 64-byte operand of ldtilecfg (palette 1). */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) tile_config_t;
+
+/* The tile operations of gemm_q4_i8_amx.h in C, as Intel's pseudo-code defines them, on per-thread tiles. */
+static __thread struct {
+    tile_config_t cfg;
+    uint8_t data[8][16][64];
+} emu;
+
+static void emu_tile_config(const tile_config_t *cfg) {
+    emu.cfg = *cfg;
+    memset(emu.data, 0, sizeof emu.data);
+}
+
+static void emu_tile_load(int t, const void *p, int64_t stride) {
+    memset(emu.data[t], 0, sizeof emu.data[t]);
+    for (int r = 0; r < emu.cfg.rows[t]; r++) memcpy(emu.data[t][r], (const uint8_t *)p + r * stride, emu.cfg.colsb[t]);
+}
+
+static void emu_tile_store(int t, void *p, int64_t stride) {
+    for (int r = 0; r < emu.cfg.rows[t]; r++) memcpy((uint8_t *)p + r * stride, emu.data[t][r], emu.cfg.colsb[t]);
+}
+
+static void emu_tile_zero(int t) { memset(emu.data[t], 0, sizeof emu.data[t]); }
+
+/* c[m][n] += sum over k of the 4 products a[m][4k + i] (signed) * b[k][4n + i] (unsigned), int32 lanes */
+static void emu_tile_dpbsud(int c, int a, int b) {
+    for (int m = 0; m < emu.cfg.rows[c]; m++)
+        for (int n = 0; n < emu.cfg.colsb[c] / 4; n++) {
+            int32_t sum;
+            memcpy(&sum, &emu.data[c][m][4 * n], 4);
+            for (int k = 0; k < emu.cfg.colsb[a] / 4; k++)
+                for (int i = 0; i < 4; i++)
+                    sum += (int32_t)(int8_t)emu.data[a][m][4 * k + i] * (int32_t)emu.data[b][k][4 * n + i];
+            memcpy(&emu.data[c][m][4 * n], &sum, 4);
+        }
+}
+
+static void emu_tile_release(void) {}
+
+#define Q4A_PATH amx
+#define Q4A_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+#define Q4A_EMULATED 0
+#include "gemm_q4_i8_amx.h"
+#undef Q4A_PATH
+#undef Q4A_TARGET
+#undef Q4A_EMULATED
+#define Q4A_PATH amx_emulated
+#define Q4A_TARGET TARGET_VNNI
+#define Q4A_EMULATED 1
+#include "gemm_q4_i8_amx.h"
 #endif /* Q4_X86 */
 
 /* ---- choosing a path ---- */
 
-/* Whether this CPU (and its OS, for the vector state) runs `path`. */
+#if defined(Q4_X86)
+static int vnni_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+}
+
+/* The bits of the AMX path (emulated: its C tiles) against the VNNI path's on a fixed problem (34 rows:
+ * three tile chunks, the last padded; two groups; one block), in this process. Allocates nothing: it runs in
+ * a forked child. */
+static int amx_self_check(int emulated) {
+    enum { M = 34, K = 64, N = 32, NG = K / QGROUP, PADDED = 48 };
+    static uint8_t packed[NG * Q4_RECORD] __attribute__((aligned(64)));
+    static float x[M * K], y_vnni[M * N], y_amx[M * N], xu[M * NG], xs[M * NG];
+    static float acc[PADDED * BLOCK] __attribute__((aligned(64)));
+    static int8_t xq[2 * PADDED * K];
+    uint32_t state = 12345;
+    for (int64_t i = 0; i < NG * Q4_RECORD; i++) {
+        state = state * 1664525u + 1013904223u;
+        packed[i] = (uint8_t)(state >> 24);
+    }
+    for (int64_t g = 0; g < NG; g++) /* scales a > 0, offsets b <= 0 */
+        for (int j = 0; j < 2 * BLOCK; j++) {
+            float *ab = (float *)(packed + g * Q4_RECORD) + j;
+            *ab = j < BLOCK ? 1e-3f * (float)(1 + (packed[g * Q4_RECORD + 256 + j] & 15)) : -0.01f * (float)(j & 7);
+        }
+    for (int64_t i = 0; i < M * K; i++) {
+        state = state * 1664525u + 1013904223u;
+        x[i] = ((float)(state >> 8) / 16777216.0f - 0.5f) * (float)(1 + i % 7);
+    }
+    memset(xq, 0, sizeof xq);
+    quantize_rows_vnni(x, M, K, xq, xu, xs);
+    gemm_blocks_vnni(xq, xu, xs, packed, NULL, y_vnni, M, K, N);
+    if (emulated)
+        gemm_blocks_amx_emulated(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc);
+    else
+        gemm_blocks_amx(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc);
+    return memcmp(y_vnni, y_amx, sizeof y_vnni) == 0;
+}
+
+/* 1 when amx_self_check(emulated) passes in a forked child (which may fault without harm: 0 then, as when
+ * it fails or runs over 10 s). Exported for tests, which run it emulated. */
+int q4_i8_amx_check_in_child(int64_t emulated) {
+    if (!vnni_supported()) return 0;
+    int *verdict = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (verdict == MAP_FAILED) return 0;
+    *verdict = 0;
+    const pid_t pid = fork();
+    if (pid == 0) {
+        *verdict = amx_self_check((int)emulated) ? 1 : 2;
+        _exit(0);
+    }
+    int status = 0, done = 0;
+    for (int waited_ms = 0; pid > 0 && waited_ms < 10000 && !done; waited_ms++) {
+        done = waitpid(pid, &status, WNOHANG) == pid;
+        if (!done) nanosleep(&(struct timespec){0, 1000000}, NULL);
+    }
+    if (pid > 0 && !done) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+    }
+    const int ok = done && WIFEXITED(status) && *verdict == 1;
+    munmap(verdict, 4096);
+    return ok;
+}
+
+/* Whether AMX runs here: the CPU's flags, Linux's permission for the tile state (arch_prctl
+ * ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), and the self-check in a child. */
+static int amx_usable(void) {
+    __builtin_cpu_init();
+    if (!vnni_supported() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return 0;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return 0;
+    return q4_i8_amx_check_in_child(0);
+}
+#endif
+
+/* Whether this CPU (and its OS, for the vector and tile state) runs `path`. */
 int q4_i8_supported(int64_t path) {
     switch (path) {
         case Q4_PORTABLE: return 1;
@@ -234,10 +389,12 @@ int q4_i8_supported(int64_t path) {
             __builtin_cpu_init();
             return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
         case Q4_VNNI:
-            __builtin_cpu_init();
-            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-                   __builtin_cpu_supports("fma");
+        case Q4_AMX_EMULATED: return vnni_supported();
+        case Q4_AMX: {
+            static int usable = -1;
+            if (usable < 0) usable = amx_usable();
+            return usable;
+        }
 #endif
         default: return 0;
     }
@@ -249,7 +406,7 @@ static int q4_path = -1;
  * changes) when the CPU cannot run `path`. */
 int q4_i8_select(int64_t path) {
     if (path < 0) {
-        for (path = Q4_PATHS - 1; !q4_i8_supported(path); path--) {}
+        for (path = Q4_AMX; !q4_i8_supported(path); path--) {}
     } else if (path >= Q4_PATHS || !q4_i8_supported(path)) {
         return -1;
     }
@@ -261,7 +418,7 @@ int q4_i8_select(int64_t path) {
  * (lo), the unit u = d / 256 [M, K / 32] and u * sum(256 hi + lo), with `path`'s instructions. */
 static void quantize_rows(int path, const float *x, int64_t M, int64_t K, int8_t *q, float *unit, float *usum) {
 #if defined(Q4_X86)
-    if (path == Q4_VNNI) return quantize_rows_vnni(x, M, K, q, unit, usum);
+    if (path == Q4_VNNI || path == Q4_AMX || path == Q4_AMX_EMULATED) return quantize_rows_vnni(x, M, K, q, unit, usum);
     if (path == Q4_AVX2) return quantize_rows_avx2(x, M, K, q, unit, usum);
 #endif
     quantize_rows_portable(x, M, K, q, unit, usum);
@@ -271,13 +428,27 @@ static void quantize_rows(int path, const float *x, int64_t M, int64_t K, int8_t
  * Returns 0, or 1 when the activations' buffer cannot be allocated. */
 int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N) {
     const int path = q4_path >= 0 ? q4_path : q4_i8_select(-1);
+    const int amx = path == Q4_AMX || path == Q4_AMX_EMULATED;
     const int64_t ng = K / QGROUP;
-    int8_t *xq = malloc(2 * M * K + 2 * M * ng * sizeof(float) + 64);
+#if defined(Q4_X86)
+    /* AMX: the digits padded with zero rows to whole tiles, and each thread's fp32 accumulators */
+    const int64_t rows = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;
+    const int64_t acc_floats = amx ? omp_get_max_threads() * rows * BLOCK : 0;
+#else
+    const int64_t rows = M, acc_floats = 0;
+#endif
+    /* one buffer: the digits, the accumulators (both in whole cache lines), the units and their sums */
+    const int64_t digits_bytes = (2 * rows * K + 63) & ~(int64_t)63;
+    const int64_t bytes = (digits_bytes + (acc_floats + 2 * M * ng) * (int64_t)sizeof(float) + 63) & ~(int64_t)63;
+    int8_t *xq = aligned_alloc(64, bytes);
     if (!xq) return 1;
-    float *xu = (float *)(xq + ((2 * M * K + 63) & ~(int64_t)63)), *xs = xu + M * ng;
+    float *acc = (float *)(xq + digits_bytes), *xu = acc + acc_floats, *xs = xu + M * ng;
+    memset(xq + 2 * M * K, 0, 2 * (rows - M) * K);
     quantize_rows(path, x, M, K, xq, xu, xs);
     switch (path) {
 #if defined(Q4_X86)
+        case Q4_AMX: gemm_blocks_amx(xq, xu, xs, packed, bias, y, M, K, N, acc); break;
+        case Q4_AMX_EMULATED: gemm_blocks_amx_emulated(xq, xu, xs, packed, bias, y, M, K, N, acc); break;
         case Q4_VNNI: gemm_blocks_vnni(xq, xu, xs, packed, bias, y, M, K, N); break;
         case Q4_AVX2: gemm_blocks_avx2(xq, xu, xs, packed, bias, y, M, K, N); break;
 #endif

@@ -19,6 +19,7 @@ from collections import defaultdict
 
 from specserve.bench.common import DEFAULT_DATASET, read_specbench, render_prompts
 from specserve.bench.latency import select_per_category
+from specserve.config import GGUF_COMPUTE
 from specserve.llm import LLM
 from specserve.ops import kernels
 from specserve.sampling_params import SamplingParams
@@ -72,12 +73,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--components", action="store_true", help="the decoder stack's kernels' shares")
     p.add_argument("--gguf-dequantize", action="store_true", help="fp32 weights instead of GGUF blocks")
+    p.add_argument("--gguf-compute", default="int8", choices=GGUF_COMPUTE)
     args = p.parse_args()
 
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = select_per_category(read_specbench(args.dataset), args.categories.split(","), args.prompts)
     spec = {"method": "ngram", "num_speculative_tokens": max(sizes) - 1, "adaptive_draft_length": False}
-    llm = LLM(max_num_seqs=1, max_model_len=4096, gguf_dequantize=args.gguf_dequantize, speculative_config=spec)
+    llm = LLM(max_num_seqs=1, max_model_len=4096, gguf_dequantize=args.gguf_dequantize,
+              gguf_compute=args.gguf_compute, speculative_config=spec)
     prompts = render_prompts(llm.get_tokenizer(), rows)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate([prompts[0].as_engine_prompt()], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
+GGUF_COMPUTE = ("int8", "q8", "fp32")  # EngineConfig.gguf_compute
 
 
 @dataclass
@@ -22,9 +23,10 @@ class EngineConfig:
     gguf_dequantize: bool = False
     # How GGUF 4-bit blocks (Q4_0, Q4_1, Q4_K) are multiplied: "int8" writes each input row per group of 32
     # as two int8 digits (~15 bits) and takes integer dot products (csrc/gemm_q4_i8.c: logits within ~1e-2
-    # of the dequantized model's, extra verified tokens cheap); "fp32" keeps fp32 activations, bitwise the
-    # dequantized model. Either way a row's result does not depend on its batch, so speculation's greedy
-    # output equals plain decoding's.
+    # of the dequantized model's, extra verified tokens cheap); "q8" as one int8 digit (llama.cpp's Q8_0
+    # activations: half the dot products of an extra row, logits further from the dequantized model's);
+    # "fp32" keeps fp32 activations, bitwise the dequantized model. Either way a row's result does not
+    # depend on its batch, so speculation's greedy output equals plain decoding's.
     gguf_compute: str = "int8"
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 64
@@ -49,8 +51,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.gguf_compute not in ("int8", "fp32"):
-            raise ValueError(f"gguf_compute must be 'int8' or 'fp32', got {self.gguf_compute!r}")
+        if self.gguf_compute not in GGUF_COMPUTE:
+            raise ValueError(f"gguf_compute must be one of {', '.join(map(repr, GGUF_COMPUTE))}, "
+                             f"got {self.gguf_compute!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):

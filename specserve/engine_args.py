@@ -21,10 +21,11 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True,
     p.add_argument("--gguf-dequantize", action="store_true",
                    help="dequantize a GGUF model's weights to fp32 at load (default: the kernels read the "
                         "file's quantized blocks, with the same results)")
-    p.add_argument("--gguf-compute", default="int8", choices=["int8", "fp32"],
+    p.add_argument("--gguf-compute", default="int8", choices=["int8", "q8", "fp32"],
                    help="how GGUF 4-bit blocks are multiplied: activations as two int8 digits and integer dot "
-                        "products (default; cheaper verification), or fp32 activations (bitwise the dequantized "
-                        "model)")
+                        "products (int8, the default; cheaper verification), as one int8 digit (q8: llama.cpp's "
+                        "Q8_0 activations, half the arithmetic of an extra row, logits further from fp32), or "
+                        "fp32 activations (bitwise the dequantized model)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's own limit, capped to what the KV cache "
                         "holds, with a warning)")

@@ -13,7 +13,7 @@ from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import RequestOutput
 from specserve.engine.request import Request, RequestStatus, SpecDecodeStats
 from specserve.engine.scheduler import Scheduler, SchedulerConfig
-from specserve.models.gguf_quant import int8_activation_weights
+from specserve.models.gguf_quant import ACTIVATION_DIGITS, int8_activation_weights
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
 from specserve.multimodal.processor import MultiModalProcessor
@@ -45,8 +45,8 @@ class LLMEngine:
         self.config = config
         torch.manual_seed(config.seed)
         loaded = load_model_weights(config.model, dtype=config.torch_dtype, keep_quantized=config.keep_gguf_blocks)
-        if config.keep_gguf_blocks and config.gguf_compute == "int8":
-            loaded.state_dict = int8_activation_weights(loaded.state_dict)
+        if config.keep_gguf_blocks and config.gguf_compute in ACTIVATION_DIGITS:
+            loaded.state_dict = int8_activation_weights(loaded.state_dict, ACTIVATION_DIGITS[config.gguf_compute])
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         if config.tensor_parallel_size > 1:  # rank 0's shard, its workers started (specserve/distributed)
             from specserve.distributed.model import start_tensor_parallel

@@ -10,9 +10,9 @@ gguf package's dequantizer agree value for value (Q4_0's zero weights can differ
 sees). F16 weights keep their halves in the fp32 GEMM's block layout.
 
 `QuantizedWeight.for_int8_activations()` turns a 4-bit weight (groups of 32) into the layout of
-csrc/gemm_q4_i8.c, which writes each input row per group as two int8 digits (~15 bits) and takes integer dot
-products: the same bytes reordered, extra rows cheaper than on fp32 activations, at the cost of the
-activations' rounding (`EngineConfig.gguf_compute`).
+csrc/gemm_q4_i8.c, which writes each input row per group as two int8 digits (~15 bits; Q4_I8) or one (8 bits,
+llama.cpp's Q8_0 activations; Q4_Q8) and takes integer dot products: the same bytes reordered, extra rows
+cheaper than on fp32 activations, at the cost of the activations' rounding (`EngineConfig.gguf_compute`).
 """
 from __future__ import annotations
 
@@ -27,8 +27,12 @@ from specserve.ops import kernels
 logger = logging.getLogger(__name__)
 
 BLOCK = kernels.GEMM_BLOCK  # output columns per packed block
-Q4, Q8, F16, Q4_I8 = kernels.WEIGHT_Q4, kernels.WEIGHT_Q8, kernels.WEIGHT_F16, kernels.WEIGHT_Q4_I8
-_FORMAT_NAMES = {Q4: "q4", Q8: "q8", F16: "f16", Q4_I8: "q4 x int8"}
+Q4, Q8, F16 = kernels.WEIGHT_Q4, kernels.WEIGHT_Q8, kernels.WEIGHT_F16
+Q4_I8, Q4_Q8 = kernels.WEIGHT_Q4_I8, kernels.WEIGHT_Q4_Q8  # 4-bit blocks x int8 activations, two digits or one
+INT8_ACTIVATION_FORMATS = (Q4_I8, Q4_Q8)
+_FORMAT_NAMES = {Q4: "q4", Q8: "q8", F16: "f16", Q4_I8: "q4 x int8", Q4_Q8: "q4 x q8"}
+# EngineConfig.gguf_compute -> the int8 digits per activation of the 4-bit GEMM (absent: fp32 activations)
+ACTIVATION_DIGITS = {"int8": 2, "q8": 1}
 _HEADER = 2 * BLOCK * 4  # a[32] and b[32] fp32 at the start of each record
 _SUPER = 256  # values per k-quant super-block
 
@@ -182,16 +186,22 @@ class QuantizedWeight:
             q, a, b = q[row_order], a[row_order], b[row_order]
         return cls.pack(q, a, b, fmt, group, type_name)
 
-    def for_int8_activations(self) -> "QuantizedWeight":
-        """This 4-bit weight (groups of 32) in gemm_q4_i8.c's layout: each record's q bytes from [k][16] to
-        [k / 4][16][4]. Other formats are returned as they are."""
+    def for_int8_activations(self, digits: int = 2) -> "QuantizedWeight":
+        """This 4-bit weight (groups of 32) in gemm_q4_i8.c's layout, for activations as `digits` int8 digits
+        (2: Q4_I8, 1: Q4_Q8): each record's q bytes from [k][16] to [k / 4][16][4]. Other formats are
+        returned as they are."""
+        if digits not in (1, 2):
+            raise ValueError(f"digits must be 1 or 2, got {digits}")
+        if self.format in INT8_ACTIVATION_FORMATS:
+            return self.as_exact().for_int8_activations(digits)
         if self.format != Q4 or self.group != 32:
             return self
-        return QuantizedWeight(_regroup_q4(self.packed, to_quads=True), Q4_I8, 32, self.shape, self.qtype)
+        return QuantizedWeight(_regroup_q4(self.packed, to_quads=True), Q4_I8 if digits == 2 else Q4_Q8, 32,
+                               self.shape, self.qtype)
 
     def as_exact(self) -> "QuantizedWeight":
         """The fp32-activation form of the same values (the inverse of for_int8_activations)."""
-        if self.format != Q4_I8:
+        if self.format not in INT8_ACTIVATION_FORMATS:
             return self
         return QuantizedWeight(_regroup_q4(self.packed, to_quads=False), Q4, 32, self.shape, self.qtype)
 
@@ -214,7 +224,7 @@ class QuantizedWeight:
         """(q [N, K], a, b [N, K / group]) of a Q4/Q8 weight: the inverse of `pack`."""
         if self.format == F16:
             raise ValueError("an F16 weight has no groups")
-        if self.format == Q4_I8:
+        if self.format in INT8_ACTIVATION_FORMATS:
             return self.as_exact().unpack()
         n, k = self.shape
         nb, ng, group = -(-n // BLOCK), k // self.group, self.group
@@ -268,10 +278,11 @@ def _regroup_q4(packed: torch.Tensor, to_quads: bool) -> torch.Tensor:
     return torch.from_numpy(out.reshape(-1))
 
 
-def int8_activation_weights(state_dict: dict) -> dict:
-    """The decoder layers' 4-bit QuantizedWeights in the int8-activation layout (for_int8_activations);
-    embeddings and the LM head keep theirs (lookups and the exact greedy argmax read them)."""
-    return {name: w.for_int8_activations() if isinstance(w, QuantizedWeight) and ".layers." in name else w
+def int8_activation_weights(state_dict: dict, digits: int = 2) -> dict:
+    """The decoder layers' 4-bit QuantizedWeights in the int8-activation layout (for_int8_activations) for
+    `digits` int8 digits per activation; embeddings and the LM head keep theirs (lookups and the exact
+    greedy argmax read them)."""
+    return {name: w.for_int8_activations(digits) if isinstance(w, QuantizedWeight) and ".layers." in name else w
             for name, w in state_dict.items()}
 
 
@@ -281,8 +292,9 @@ def cat_rows(weights: list) -> "QuantizedWeight | torch.Tensor":
     of 32 split into 16); parts with F16 or fp32 among quantized ones are dequantized, with a log line."""
     if not any(isinstance(w, QuantizedWeight) for w in weights):
         return torch.cat(weights)
-    if all(isinstance(w, QuantizedWeight) and w.format == Q4_I8 for w in weights):
-        return cat_rows([w.as_exact() for w in weights]).for_int8_activations()
+    formats = {w.format if isinstance(w, QuantizedWeight) else None for w in weights}
+    if len(formats) == 1 and formats <= set(INT8_ACTIVATION_FORMATS):
+        return cat_rows([w.as_exact() for w in weights]).for_int8_activations(2 if Q4_I8 in formats else 1)
     weights = [w.as_exact() if isinstance(w, QuantizedWeight) else w for w in weights]
     if not all(isinstance(w, QuantizedWeight) and w.format in (Q4, Q8) for w in weights):
         if all(isinstance(w, QuantizedWeight) and w.format == F16 for w in weights):

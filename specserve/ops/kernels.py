@@ -284,14 +284,15 @@ def gemm_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 
 # Formats of csrc/gemm_gguf.c's packed weights (specserve_kernels.h); see specserve.models.gguf_quant.
-WEIGHT_F32, WEIGHT_Q4, WEIGHT_Q8, WEIGHT_F16, WEIGHT_Q4_I8 = 0, 2, 3, 4, 5
+WEIGHT_F32, WEIGHT_Q4, WEIGHT_Q8, WEIGHT_F16, WEIGHT_Q4_I8, WEIGHT_Q4_Q8 = 0, 2, 3, 4, 5, 6
 
 
 def gemm_weight(x: torch.Tensor, packed: torch.Tensor, weight_format: tuple[int, int], bias: torch.Tensor | None,
                 out_features: int) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] for W packed in one of gemm_weight's formats (csrc/gemm_gguf.c):
-    bitwise what gemm_packed gives on the dequantized fp32 weight, except WEIGHT_Q4_I8, which rounds x to
-    int8 per group of 32 (csrc/gemm_q4_i8.c); either way a row's result does not depend on M."""
+    bitwise what gemm_packed gives on the dequantized fp32 weight, except WEIGHT_Q4_I8 and WEIGHT_Q4_Q8, which
+    round x per group of 32 to two int8 digits or one (csrc/gemm_q4_i8.c); either way a row's result does not
+    depend on M."""
     _check(x=x, **({"bias": bias} if bias is not None else {}))
     if not packed.is_contiguous():
         raise ValueError("C kernel: packed must be contiguous")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.models.gguf_quant import QuantizedWeight, int8_activation_weights
+from specserve.models.gguf_quant import ACTIVATION_DIGITS, QuantizedWeight, int8_activation_weights
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
 from specserve.ops.attention import paged_metadata
@@ -32,8 +32,8 @@ class DraftModelProposer:
         # (a self-draft then computes exactly the target's tokens)
         blocks = spec_config.quantization is None and target.gguf_compute is not None
         loaded = load_model_weights(spec_config.model, dtype=target.dtype, keep_quantized=blocks)
-        if blocks and target.gguf_compute == "int8":
-            loaded.state_dict = int8_activation_weights(loaded.state_dict)
+        if blocks and target.gguf_compute in ACTIVATION_DIGITS:
+            loaded.state_dict = int8_activation_weights(loaded.state_dict, ACTIVATION_DIGITS[target.gguf_compute])
         weight_dtype = "int8" if spec_config.quantization == "int8" else target.weight_dtype
         self.model = build_model(loaded.config, loaded.state_dict, dtype=target.dtype, weight_dtype=weight_dtype)
         target_vocab, draft_vocab = target.model.config.vocab_size, self.model.config.vocab_size

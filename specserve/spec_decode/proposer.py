@@ -151,7 +151,7 @@ class TargetInfo:
     dtype: torch.dtype
     weight_dtype: object
     max_model_len: int
-    # how the target multiplies GGUF blocks it keeps ("int8" or "fp32", EngineConfig.gguf_compute); None when
+    # how the target multiplies GGUF blocks it keeps (EngineConfig.gguf_compute: "int8", "q8" or "fp32"); None when
     # its weights are tensors
     gguf_compute: str | None = None
 

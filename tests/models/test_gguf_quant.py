@@ -13,7 +13,8 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.models.gguf_loader import load_gguf
-from specserve.models.gguf_quant import BLOCK_TYPES, F16, Q4_I8, QuantizedWeight, cat_rows, int8_activation_weights
+from specserve.models.gguf_quant import (BLOCK_TYPES, F16, Q4_I8, Q4_Q8, QuantizedWeight, cat_rows,
+                                         int8_activation_weights)
 from specserve.models.linear import FastLinear
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
@@ -290,6 +291,24 @@ def test_default_model_with_int8_activations_follows_the_exact_model(default_ggu
     assert kl.max() < 1e-4, kl.max()
 
 
+@requires_c_kernels
+def test_one_digit_activations_are_further_from_the_exact_model(default_gguf_path):
+    """gguf_compute="q8": one int8 digit per activation (llama.cpp's Q8_0 activations). Real text's next
+    tokens still mostly agree with the exact model's, but the distributions move ~100x further than with two."""
+    loaded = load_model_weights(default_gguf_path, keep_quantized=True)
+    exact = build_model(loaded.config, loaded.state_dict, dtype=torch.float32)
+    one = build_model(loaded.config, int8_activation_weights(loaded.state_dict, digits=1), dtype=torch.float32)
+    two = build_model(loaded.config, int8_activation_weights(loaded.state_dict), dtype=torch.float32)
+    assert one.layers[0].gate_up._wq.weight_format == (Q4_Q8, 32)
+    tokens = torch.tensor(load_tokenizer(default_gguf_path).encode(
+        "Speculative decoding drafts several tokens cheaply and verifies them in one step of the target model, "
+        "so that greedy output stays exactly what plain decoding gives while each step emits more tokens."))
+    want = _teacher_forced_logits(exact, tokens).log_softmax(-1)
+    kl = {name: (want.exp() * (want - _teacher_forced_logits(m, tokens).log_softmax(-1))).sum(-1).max().item()
+          for name, m in (("one", one), ("two", two))}
+    assert kl["two"] * 30 < kl["one"] < 0.05, kl
+
+
 def test_gguf_compute_is_validated():
-    with pytest.raises(ValueError, match="gguf_compute must be 'int8' or 'fp32'"):
+    with pytest.raises(ValueError, match="gguf_compute must be one of 'int8', 'q8', 'fp32'"):
         EngineConfig(gguf_compute="int4")

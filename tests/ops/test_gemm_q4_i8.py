@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.models.gguf_quant import Q4, Q4_I8, QuantizedWeight, cat_rows, int8_activation_weights
+from specserve.models.gguf_quant import Q4, Q4_I8, Q4_Q8, QuantizedWeight, cat_rows, int8_activation_weights
 from specserve.ops import kernels
 from tests.kernel_support import requires_c_kernels
 
@@ -30,15 +30,16 @@ def random_q4(rng: np.random.Generator, n: int, k: int) -> QuantizedWeight:
     return QuantizedWeight.pack(q, a, b, Q4, 32, "Q4_1")
 
 
-def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+              digits: int = 2) -> torch.Tensor:
     """float64 of the kernel's math: x per group of 32 as two int8 digits, d * (hi + lo / 256) with d =
-    max|x| / 127, times the weight."""
+    max|x| / 127 (one digit: lo = 0), times the weight."""
     m, k = x.shape
     groups = x.reshape(m, k // 32, 32)
     d = groups.abs().amax(-1, keepdim=True) / 127
     r = groups * torch.where(d > 0, 1 / d, 0)  # fp32, as the kernel divides
     hi = torch.round(r)
-    lo = torch.round((r - hi) * 256).clamp(-127, 127)
+    lo = torch.round((r - hi) * 256).clamp(-127, 127) * (digits == 2)
     xq = (hi.double() + lo.double() / 256) * d.double()
     y = xq.reshape(m, k) @ weight.dequantize().double().T
     return (y if bias is None else y + bias.double()).float()
@@ -48,16 +49,17 @@ def gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = N
     return kernels.gemm_weight(x.contiguous(), weight.packed, weight.weight_format, bias, weight.shape[0])
 
 
+@pytest.mark.parametrize("digits", [2, 1])
 @pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (45, 64), (100, 576), (70, 1536)])
-def test_gemm_is_the_int8_math(n, k):
+def test_gemm_is_the_int8_math(n, k, digits):
     rng = np.random.default_rng(n + k)
-    weight = random_q4(rng, n, k).for_int8_activations()
-    assert weight.weight_format == (Q4_I8, 32)
+    weight = random_q4(rng, n, k).for_int8_activations(digits)
+    assert weight.weight_format == ({2: Q4_I8, 1: Q4_Q8}[digits], 32)
     x = torch.from_numpy(rng.standard_normal((9, k)).astype(np.float32))
     x[3, :32] = 0.0  # a group of zeros: scale 0, no division by it
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
     for b in (None, bias):
-        want = reference(x, weight, b)
+        want = reference(x, weight, b, digits)
         got = gemm(x, weight, b)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
 
@@ -134,15 +136,16 @@ def paths_to_test() -> list[str]:
     return paths + ([kernels.AMX_EMULATED] if "avx512_vnni" in paths else [])
 
 
+@pytest.mark.parametrize("digits", [2, 1])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_every_path_gives_the_same_bits_for_1_to_64_rows(threads, restore_path):
+def test_every_path_gives_the_same_bits_for_1_to_64_rows(threads, digits, restore_path):
     """Each instruction-set path (AMX, AVX512-VNNI, AVX2, portable C: csrc/gemm_q4_i8.c) gives the bits of the
     others, and on each a row's result is its one-row call's, whatever the batch and the thread count."""
     paths = paths_to_test()
     assert paths[0] == "portable" and len(paths) == len(set(paths))
     rng = np.random.default_rng(6)
     n = 1000  # 31 blocks and a partial one: unequal shares per thread
-    weight = random_q4(rng, n, 576).for_int8_activations()
+    weight = random_q4(rng, n, 576).for_int8_activations(digits)
     x = torch.from_numpy((rng.standard_normal((64, 576)) * rng.uniform(0.01, 30, (64, 1))).astype(np.float32))
     x[5, 64:96] = 0.0
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
@@ -162,8 +165,22 @@ def test_every_path_gives_the_same_bits_for_1_to_64_rows(threads, restore_path):
         torch.set_num_threads(previous)
     for path in paths[1:]:
         assert torch.equal(results[path], results["portable"]), path
-    want = reference(x, weight, bias)
+    want = reference(x, weight, bias, digits)
     assert torch.allclose(results["portable"], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_one_digit_is_the_int8_math_at_half_the_precision():
+    """The Q4_Q8 format (gguf_compute="q8") is the same bytes as Q4_I8, its activations rounded to 8 bits:
+    ~100x further from fp32 activations than two digits."""
+    rng = np.random.default_rng(8)
+    exact = random_q4(rng, 256, 576)
+    one, two = exact.for_int8_activations(1), exact.for_int8_activations(2)
+    assert torch.equal(one.packed, two.packed) and one.weight_format == (Q4_Q8, 32)
+    assert torch.equal(two.for_int8_activations(1).packed, one.packed) and one.as_exact().weight_format[0] == Q4
+    x = torch.from_numpy(rng.standard_normal((4, 576)).astype(np.float32))
+    fp32 = gemm(x, exact)
+    err = {d: ((gemm(x, w) - fp32).norm() / fp32.norm()).item() for d, w in ((1, one), (2, two))}
+    assert err[2] * 30 < err[1] < 1e-2, err
 
 
 def test_the_amx_self_check_runs_in_a_child():
@@ -204,7 +221,7 @@ def test_a_baseline_x86_build_holds_every_path(tmp_path):
     subprocess.run([cc, "-O3", "-march=x86-64", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11",
                     f"-I{src}", str(src / "gemm_q4_i8.c"), "-o", str(out), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(out))
-    lib.gemm_q4_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.gemm_q4_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     lib.q4_i8_select.argtypes = lib.q4_i8_supported.argtypes = [ctypes.c_int64]
     runs = [name for i, name in enumerate(kernels.INT8_PATHS) if lib.q4_i8_supported(i)]
     assert runs == kernels.int8_paths()
@@ -216,5 +233,5 @@ def test_a_baseline_x86_build_holds_every_path(tmp_path):
         if name in runs:
             assert lib.q4_i8_select(i) == i
             y = torch.empty(7, 96)
-            assert lib.gemm_q4_i8(x.data_ptr(), weight.packed.data_ptr(), None, y.data_ptr(), 7, 192, 96) == 0
+            assert lib.gemm_q4_i8(x.data_ptr(), weight.packed.data_ptr(), None, y.data_ptr(), 7, 192, 96, 2) == 0
             assert torch.equal(y, want), name

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from specserve.llm import LLM
 from specserve.models.loader import load_model_weights
 from specserve.sampling_params import SamplingParams
-from specserve.ops.kernels import WEIGHT_Q4, kernel_enabled
+from specserve.ops.kernels import WEIGHT_Q4, WEIGHT_Q4_Q8, kernel_enabled
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "specbench_sample.jsonl")
 MAX_TOKENS = 96
@@ -102,16 +102,18 @@ def test_int8_self_draft_keeps_greedy_output(prompts, default_gguf_path):
     assert llm.llm_engine.runner.proposer.model.layers[0].gate_up.backend == expected
 
 
-def test_fp32_blocks_keep_greedy_output(prompts):
-    """The default engine multiplies the 4-bit blocks with int8 activations (above); with fp32 activations
-    (gguf_compute="fp32", bitwise the dequantized model) speculation is as lossless."""
+@pytest.mark.parametrize("compute,weight_format", [("fp32", WEIGHT_Q4), ("q8", WEIGHT_Q4_Q8)])
+def test_other_block_arithmetic_keeps_greedy_output(prompts, compute, weight_format):
+    """The default engine multiplies the 4-bit blocks with activations as two int8 digits (above); with fp32
+    activations (gguf_compute="fp32", bitwise the dequantized model) or one int8 digit ("q8") speculation is
+    as lossless."""
     ids = prompts[0][:8]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    plain = LLM(gguf_compute="fp32", **ENGINE)
+    plain = LLM(gguf_compute=compute, **ENGINE)
     reference = [o.outputs[0].token_ids for o in plain.generate(ids, params, use_tqdm=False)]
-    assert plain.llm_engine.model.layers[0].gate_up._wq.weight_format == (WEIGHT_Q4, 32)  # not the default's
-    llm = LLM(gguf_compute="fp32", speculative_config={"method": "suffix", "num_speculative_tokens": 6,
-                                                       "adaptive_draft_length": False}, **ENGINE)
+    assert plain.llm_engine.model.layers[0].gate_up._wq.weight_format == (weight_format, 32)  # not the default's
+    llm = LLM(gguf_compute=compute, speculative_config={"method": "suffix", "num_speculative_tokens": 6,
+                                                        "adaptive_draft_length": False}, **ENGINE)
     outs = llm.generate(ids, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     _check_metrics(llm, outs)

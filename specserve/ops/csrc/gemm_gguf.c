@@ -199,7 +199,8 @@ int gemm_weight(const float *x, const weight_t *w, const float *bias, float *y, 
             if (w->group == 32) return gemm_q8_g32(x, w->data, bias, y, M, K, N), 0;
             if (w->group == 16) return gemm_q8_g16(x, w->data, bias, y, M, K, N), 0;
             return 1;
-        case WEIGHT_Q4_I8: return w->group == 32 ? gemm_q4_i8(x, w->data, bias, y, M, K, N) : 1;
+        case WEIGHT_Q4_I8: return w->group == 32 ? gemm_q4_i8(x, w->data, bias, y, M, K, N, 2) : 1;
+        case WEIGHT_Q4_Q8: return w->group == 32 ? gemm_q4_i8(x, w->data, bias, y, M, K, N, 1) : 1;
         default: return 1;
     }
 }
@@ -215,7 +216,8 @@ int gemm_weight_f32(const float *x, const void *data, int64_t format, int64_t gr
  * 16-lane vector expression over the half-block holding n (so the compiler contracts it into the same fused
  * multiply-adds), lane n % 16 kept. */
 float weight_column(const float *x, const weight_t *w, int64_t K, int64_t n) {
-    if (w->format == WEIGHT_Q4_I8) return NAN; /* its GEMM quantizes x: no fp32 column to reproduce */
+    if (w->format == WEIGHT_Q4_I8 || w->format == WEIGHT_Q4_Q8)
+        return NAN; /* its GEMM quantizes x: no fp32 column to reproduce */
     const int64_t b = n / BLOCK, half = (n % BLOCK) / 16;
     v16 acc = {0};
     if (w->format == WEIGHT_F32 || w->format == WEIGHT_F16) {
@@ -271,8 +273,9 @@ void weight_rows(const weight_t *w, int64_t K, const int64_t *ids, int64_t count
             memcpy(&a, rec + 4 * j, sizeof a);
             memcpy(&s, rec + 128 + 4 * j, sizeof s);
             for (int64_t kk = 0; kk < G; kk++) {
-                /* Q4_I8 keeps the same nibbles, the bytes of each 4 k's grouped per column (gemm_q4_i8.c) */
-                const int64_t at = w->format == WEIGHT_Q4_I8 ? (kk >> 2) * 64 + 4 * (j & 15) + (kk & 3) : kk * 16 + (j & 15);
+                /* Q4_I8 and Q4_Q8 keep the same nibbles, the bytes of each 4 k's grouped per column (gemm_q4_i8.c) */
+                const int quads = w->format == WEIGHT_Q4_I8 || w->format == WEIGHT_Q4_Q8;
+                const int64_t at = quads ? (kk >> 2) * 64 + 4 * (j & 15) + (kk & 3) : kk * 16 + (j & 15);
                 const float v = w->format == WEIGHT_Q8 ? (float)(int8_t)q[kk * 32 + j]
                                                        : (float)(j < 16 ? q[at] & 15 : q[at] >> 4);
                 row[g * G + kk] = v * a + s; /* a * v is exact: one rounding, fused or not */

@@ -77,9 +77,10 @@ static inline ALWAYS_INLINE v16 fmadd_portable(v16 a, v16 b, v16 c) {
     return c;
 }
 
-/* One group of 32 values -> hi[32], lo[32] (x ~ d * (hi + lo / 256), d = max|x| / 127); returns
- * sum(256 hi + lo) and sets *d. */
-static inline ALWAYS_INLINE int32_t quantize_group_portable(const float *v, int8_t *hi, int8_t *lo, float *d_out) {
+/* One group of 32 values -> hi[32], lo[32] (x ~ d * (hi + lo / 256), d = max|x| / 127; lo = 0 with one
+ * digit); returns sum(256 hi + lo) and sets *d. */
+static inline ALWAYS_INLINE int32_t quantize_group_portable(const float *v, int8_t *hi, int8_t *lo, float *d_out,
+                                                            const int digits) {
     float amax = 0.0f;
     for (int i = 0; i < QGROUP; i++) amax = fmaxf(amax, fabsf(v[i]));
     const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
@@ -87,7 +88,7 @@ static inline ALWAYS_INLINE int32_t quantize_group_portable(const float *v, int8
     for (int i = 0; i < QGROUP; i++) {
         const float r = v[i] * inv;
         const int h = (int)nearbyintf(r);
-        int l = (int)nearbyintf((r - (float)h) * 256.0f);
+        int l = digits == 2 ? (int)nearbyintf((r - (float)h) * 256.0f) : 0;
         l = l > 127 ? 127 : l < -127 ? -127 : l;
         hi[i] = (int8_t)h;
         lo[i] = (int8_t)l;
@@ -137,7 +138,7 @@ TARGET_AVX2 static inline ALWAYS_INLINE v16 fmadd_avx2(v16 a, v16 b, v16 c) {
 
 /* quantize_group_portable's numbers, 8 lanes at a time (vcvtps2dq rounds to nearest even, as nearbyintf) */
 TARGET_AVX2 static inline ALWAYS_INLINE int32_t quantize_group_avx2(const float *v, int8_t *hi, int8_t *lo,
-                                                                    float *d_out) {
+                                                                    float *d_out, const int digits) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 m = _mm256_setzero_ps();
     for (int i = 0; i < QGROUP; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
@@ -152,7 +153,7 @@ TARGET_AVX2 static inline ALWAYS_INLINE int32_t quantize_group_avx2(const float 
         const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(v + i), vinv);
         const __m256i h = _mm256_cvtps_epi32(r);
         __m256i l = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(r, _mm256_cvtepi32_ps(h)), k256));
-        l = _mm256_max_epi32(_mm256_min_epi32(l, top), bottom);
+        l = digits == 2 ? _mm256_max_epi32(_mm256_min_epi32(l, top), bottom) : _mm256_setzero_si256();
         sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_slli_epi32(h, 8), l));
         int32_t hv[8], lv[8];
         _mm256_storeu_si256((__m256i *)hv, h);
@@ -201,7 +202,7 @@ TARGET_VNNI static inline ALWAYS_INLINE v16 fmadd_vnni(v16 a, v16 b, v16 c) {
 }
 
 TARGET_VNNI static inline ALWAYS_INLINE int32_t quantize_group_vnni(const float *v, int8_t *hi, int8_t *lo,
-                                                                    float *d_out) {
+                                                                    float *d_out, const int digits) {
     const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
@@ -212,7 +213,7 @@ TARGET_VNNI static inline ALWAYS_INLINE int32_t quantize_group_vnni(const float 
         const __m512 r = _mm512_mul_ps(i ? v1 : v0, vinv);
         const __m512i h = _mm512_cvtps_epi32(r);
         __m512i l = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(r, _mm512_cvtepi32_ps(h)), k256));
-        l = _mm512_max_epi32(_mm512_min_epi32(l, top), bottom);
+        l = digits == 2 ? _mm512_max_epi32(_mm512_min_epi32(l, top), bottom) : _mm512_setzero_si512();
         sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_slli_epi32(h, 8), l));
         _mm_storeu_si128((__m128i *)(hi + 16 * i), _mm512_cvtepi32_epi8(h));
         _mm_storeu_si128((__m128i *)(lo + 16 * i), _mm512_cvtepi32_epi8(l));
@@ -335,13 +336,17 @@ static int amx_self_check(int emulated) {
         x[i] = ((float)(state >> 8) / 16777216.0f - 0.5f) * (float)(1 + i % 7);
     }
     memset(xq, 0, sizeof xq);
-    quantize_rows_vnni(x, M, K, xq, xu, xs);
-    gemm_blocks_vnni(xq, xu, xs, packed, NULL, y_vnni, M, K, N);
-    if (emulated)
-        gemm_blocks_amx_emulated(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc);
-    else
-        gemm_blocks_amx(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc);
-    return memcmp(y_vnni, y_amx, sizeof y_vnni) == 0;
+    int same = 1;
+    for (int digits = 1; digits <= 2; digits++) {
+        quantize_rows_vnni(x, M, K, xq, xu, xs, digits);
+        gemm_blocks_vnni(xq, xu, xs, packed, NULL, y_vnni, M, K, N, digits);
+        if (emulated)
+            gemm_blocks_amx_emulated(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc, digits);
+        else
+            gemm_blocks_amx(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc, digits);
+        same &= memcmp(y_vnni, y_amx, sizeof y_vnni) == 0;
+    }
+    return same;
 }
 
 /* 1 when amx_self_check(emulated) passes in a forked child (which may fault without harm: 0 then, as when
@@ -414,19 +419,25 @@ int q4_i8_select(int64_t path) {
     return q4_path;
 }
 
-/* x [M, K] -> per row and group of 32 the two int8 digits, q[2mK .. 2mK + K) (hi) and q[2mK + K .. 2mK + 2K)
- * (lo), the unit u = d / 256 [M, K / 32] and u * sum(256 hi + lo), with `path`'s instructions. */
-static void quantize_rows(int path, const float *x, int64_t M, int64_t K, int8_t *q, float *unit, float *usum) {
+/* x [M, K] -> per row and group of 32 the int8 digits, q[2mK .. 2mK + K) (hi) and q[2mK + K .. 2mK + 2K) (lo,
+ * zeros with one digit), the unit u = d / 256 [M, K / 32] and u * sum(256 hi + lo), with `path`'s
+ * instructions. */
+static void quantize_rows(int path, const float *x, int64_t M, int64_t K, int8_t *q, float *unit, float *usum,
+                          int digits) {
 #if defined(Q4_X86)
-    if (path == Q4_VNNI || path == Q4_AMX || path == Q4_AMX_EMULATED) return quantize_rows_vnni(x, M, K, q, unit, usum);
-    if (path == Q4_AVX2) return quantize_rows_avx2(x, M, K, q, unit, usum);
+    if (path == Q4_VNNI || path == Q4_AMX || path == Q4_AMX_EMULATED)
+        return quantize_rows_vnni(x, M, K, q, unit, usum, digits);
+    if (path == Q4_AVX2) return quantize_rows_avx2(x, M, K, q, unit, usum, digits);
 #endif
-    quantize_rows_portable(x, M, K, q, unit, usum);
+    quantize_rows_portable(x, M, K, q, unit, usum, digits);
 }
 
-/* x: [M, K] fp32 (K a multiple of 32); packed: WEIGHT_Q4_I8 records; bias: [N] or NULL; y: [M, N].
- * Returns 0, or 1 when the activations' buffer cannot be allocated. */
-int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N) {
+/* x: [M, K] fp32 (K a multiple of 32); packed: WEIGHT_Q4_I8 records; bias: [N] or NULL; y: [M, N]; digits: 2
+ * (x to ~15 bits) or 1 (8 bits: half the dot products). Returns 0, or 1 when the activations' buffer cannot
+ * be allocated or digits is neither. */
+int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
+               int64_t digits) {
+    if (digits != 1 && digits != 2) return 1;
     const int path = q4_path >= 0 ? q4_path : q4_i8_select(-1);
     const int amx = path == Q4_AMX || path == Q4_AMX_EMULATED;
     const int64_t ng = K / QGROUP;
@@ -444,15 +455,15 @@ int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *
     if (!xq) return 1;
     float *acc = (float *)(xq + digits_bytes), *xu = acc + acc_floats, *xs = xu + M * ng;
     memset(xq + 2 * M * K, 0, 2 * (rows - M) * K);
-    quantize_rows(path, x, M, K, xq, xu, xs);
+    quantize_rows(path, x, M, K, xq, xu, xs, (int)digits);
     switch (path) {
 #if defined(Q4_X86)
-        case Q4_AMX: gemm_blocks_amx(xq, xu, xs, packed, bias, y, M, K, N, acc); break;
-        case Q4_AMX_EMULATED: gemm_blocks_amx_emulated(xq, xu, xs, packed, bias, y, M, K, N, acc); break;
-        case Q4_VNNI: gemm_blocks_vnni(xq, xu, xs, packed, bias, y, M, K, N); break;
-        case Q4_AVX2: gemm_blocks_avx2(xq, xu, xs, packed, bias, y, M, K, N); break;
+        case Q4_AMX: gemm_blocks_amx(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits); break;
+        case Q4_AMX_EMULATED: gemm_blocks_amx_emulated(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits); break;
+        case Q4_VNNI: gemm_blocks_vnni(xq, xu, xs, packed, bias, y, M, K, N, (int)digits); break;
+        case Q4_AVX2: gemm_blocks_avx2(xq, xu, xs, packed, bias, y, M, K, N, (int)digits); break;
 #endif
-        default: gemm_blocks_portable(xq, xu, xs, packed, bias, y, M, K, N); break;
+        default: gemm_blocks_portable(xq, xu, xs, packed, bias, y, M, K, N, (int)digits); break;
     }
     free(xq);
     return 0;

@@ -29,11 +29,12 @@
 #define TILE_RELEASE() _tile_release()
 #endif
 
-/* y [M, N] from the quantized rows (xq: quantize_rows, padded with zero rows to a multiple of AMX_ROWS),
- * the packed blocks and acc_all (per thread, AMX_ROWS-padded M rows x 32 fp32 accumulators). */
+/* y [M, N] from the quantized rows (xq: quantize_rows with `digits`, padded with zero rows to a multiple of
+ * AMX_ROWS), the packed blocks and acc_all (per thread, AMX_ROWS-padded M rows x 32 fp32 accumulators). */
 Q4A_TARGET static void Q4A_NAME(gemm_blocks, Q4A_PATH)(const int8_t *xq, const float *xu, const float *xs,
                                                        const uint8_t *packed, const float *bias, float *y,
-                                                       int64_t M, int64_t K, int64_t N, float *acc_all) {
+                                                       int64_t M, int64_t K, int64_t N, float *acc_all,
+                                                       int digits) {
     const int64_t ng = K / QGROUP, nblocks = (N + BLOCK - 1) / BLOCK, block_bytes = ng * Q4_RECORD;
     const int64_t padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
 #pragma omp parallel if (M * K * N >= (1 << 18))
@@ -82,9 +83,11 @@ Q4A_TARGET static void Q4A_NAME(gemm_blocks, Q4A_PATH)(const int8_t *xq, const f
                     TILE_ZERO(TILE_C2);
                     TILE_ZERO(TILE_C3);
                     TILE_DPBSUD(TILE_C0, TILE_AHI, TILE_B0);
-                    TILE_DPBSUD(TILE_C1, TILE_ALO, TILE_B0);
                     TILE_DPBSUD(TILE_C2, TILE_AHI, TILE_B1);
-                    TILE_DPBSUD(TILE_C3, TILE_ALO, TILE_B1);
+                    if (digits == 2) { /* one digit: the lo sums stay zero */
+                        TILE_DPBSUD(TILE_C1, TILE_ALO, TILE_B0);
+                        TILE_DPBSUD(TILE_C3, TILE_ALO, TILE_B1);
+                    }
                     TILE_STORE(TILE_C0, cbuf[0], 64);
                     TILE_STORE(TILE_C1, cbuf[1], 64);
                     TILE_STORE(TILE_C2, cbuf[2], 64);

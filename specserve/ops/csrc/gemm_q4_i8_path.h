@@ -6,13 +6,14 @@
 #define Q4_NAME(a, b) Q4_JOIN(a, b)
 
 Q4_TARGET static void Q4_NAME(quantize_rows, Q4_PATH)(const float *x, int64_t M, int64_t K, int8_t *q, float *unit,
-                                                      float *usum) {
+                                                      float *usum, int digits) {
     const int64_t ng = K / QGROUP;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < ng; g++) {
             int8_t *hi = q + 2 * m * K + g * QGROUP;
             float d;
-            const int32_t sum = Q4_QUANTIZE_GROUP(x + m * K + g * QGROUP, hi, hi + K, &d);
+            const int32_t sum = digits == 2 ? Q4_QUANTIZE_GROUP(x + m * K + g * QGROUP, hi, hi + K, &d, 2)
+                                            : Q4_QUANTIZE_GROUP(x + m * K + g * QGROUP, hi, hi + K, &d, 1);
             unit[m * ng + g] = d / 256.0f;
             usum[m * ng + g] = d / 256.0f * (float)sum;
         }
@@ -20,7 +21,7 @@ Q4_TARGET static void Q4_NAME(quantize_rows, Q4_PATH)(const float *x, int64_t M,
 
 Q4_TARGET static inline ALWAYS_INLINE void Q4_NAME(block_rows, Q4_PATH)(
     const uint8_t *restrict w, const int8_t *restrict xq, const float *restrict xu, const float *restrict xs,
-    int64_t K, float *restrict y, int64_t N, int64_t ncols, const float *bias, const int rows) {
+    int64_t K, float *restrict y, int64_t N, int64_t ncols, const float *bias, const int rows, const int digits) {
     v16 acc[I8_ROWS][2];
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (v16){0};
     const int64_t ng = K / QGROUP;
@@ -45,8 +46,10 @@ Q4_TARGET static inline ALWAYS_INLINE void Q4_NAME(block_rows, Q4_PATH)(
                 memcpy(&l4, xm + K, sizeof l4);
                 hi[m][0] = Q4_DOT4(hi[m][0], w0, h4);
                 hi[m][1] = Q4_DOT4(hi[m][1], w1, h4);
-                lo[m][0] = Q4_DOT4(lo[m][0], w0, l4);
-                lo[m][1] = Q4_DOT4(lo[m][1], w1, l4);
+                if (digits == 2) {
+                    lo[m][0] = Q4_DOT4(lo[m][0], w0, l4);
+                    lo[m][1] = Q4_DOT4(lo[m][1], w1, l4);
+                }
             }
         }
         for (int m = 0; m < rows; m++) {
@@ -61,11 +64,11 @@ Q4_TARGET static inline ALWAYS_INLINE void Q4_NAME(block_rows, Q4_PATH)(
     store_rows(acc, y, N, ncols, NULL, bias, rows);
 }
 
-/* y [M, N] from the quantized rows (xq, xu, xs: quantize_rows) and the packed blocks, blocks of 32 columns
- * shared among the threads. */
+/* y [M, N] from the quantized rows (xq, xu, xs: quantize_rows with `digits`) and the packed blocks, blocks
+ * of 32 columns shared among the threads. */
 Q4_TARGET static void Q4_NAME(gemm_blocks, Q4_PATH)(const int8_t *xq, const float *xu, const float *xs,
                                                     const uint8_t *packed, const float *bias, float *y, int64_t M,
-                                                    int64_t K, int64_t N) {
+                                                    int64_t K, int64_t N, int digits) {
     const int64_t ng = K / QGROUP, nblocks = (N + BLOCK - 1) / BLOCK, block_bytes = ng * Q4_RECORD;
 #pragma omp parallel for schedule(static) if (M * K * N >= (1 << 18))
     for (int64_t b = 0; b < nblocks; b++) {
@@ -73,16 +76,23 @@ Q4_TARGET static void Q4_NAME(gemm_blocks, Q4_PATH)(const int8_t *xq, const floa
         const int64_t col = b * BLOCK, ncols = N - col < BLOCK ? N - col : BLOCK;
         const float *bb = bias ? bias + col : NULL;
         int64_t m = 0;
-#define CALL_I8(rows)                                                                                        \
+#define CALL_I8(rows, digits)                                                                                \
     Q4_NAME(block_rows, Q4_PATH)(w, xq + 2 * m * K, xu + m * ng, xs + m * ng, K, y + m * N + col, N, ncols, bb, \
-                                 rows)
-        for (; m + I8_ROWS <= M; m += I8_ROWS) CALL_I8(I8_ROWS);
-        switch (M - m) {
-            case 1: CALL_I8(1); break;
-            case 2: CALL_I8(2); break;
-            case 3: CALL_I8(3); break;
-            default: break;
+                                 rows, digits)
+#define ROWS_I8(digits)                                                      \
+    for (; m + I8_ROWS <= M; m += I8_ROWS) CALL_I8(I8_ROWS, digits);         \
+    switch (M - m) {                                                         \
+        case 1: CALL_I8(1, digits); break;                                   \
+        case 2: CALL_I8(2, digits); break;                                   \
+        case 3: CALL_I8(3, digits); break;                                   \
+        default: break;                                                      \
+    }
+        if (digits == 2) {
+            ROWS_I8(2)
+        } else {
+            ROWS_I8(1)
         }
+#undef ROWS_I8
 #undef CALL_I8
     }
 }

@@ -22,13 +22,15 @@ int paged_attention_f32(const float *q, float *out, const float *k_cache, const 
 void store_key(float *k_cache, int64_t slot, const float *key, int64_t row_floats, int64_t block_size);
 
 /* A packed weight in one of the formats the GEMMs read (gemm.c, gemm_gguf.c, gemm_q4_i8.c); group: k's per
- * scale record. WEIGHT_Q4_I8 (group 32 only) multiplies int8-quantized activations. */
-enum { WEIGHT_F32 = 0, WEIGHT_Q4 = 2, WEIGHT_Q8 = 3, WEIGHT_F16 = 4, WEIGHT_Q4_I8 = 5 };
+ * scale record. WEIGHT_Q4_I8 and WEIGHT_Q4_Q8 (group 32 only, the same layout) multiply int8-quantized
+ * activations, as two int8 digits (~15 bits) or one (llama.cpp's Q8_0 activations). */
+enum { WEIGHT_F32 = 0, WEIGHT_Q4 = 2, WEIGHT_Q8 = 3, WEIGHT_F16 = 4, WEIGHT_Q4_I8 = 5, WEIGHT_Q4_Q8 = 6 };
 typedef struct {
     const void *data;
     int64_t format, group;
 } weight_t;
-int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N);
+int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
+               int64_t digits);
 int gemm_weight(const float *x, const weight_t *w, const float *bias, float *y, int64_t M, int64_t K, int64_t N);
 float weight_column(const float *x, const weight_t *w, int64_t K, int64_t n);
 float half_to_float(uint16_t h);

@@ -8,7 +8,12 @@ verification and the rest (input preparation, Python), each relative to the one-
 --components the C kernels' own shares inside the stack (projections, attention, norms and the rest),
 read from the stack's profile counters.
 
-    .venv/bin/python benchmarks/step_rows.py --sizes 1,2,5,9,17 --prompts 4 --components
+--bound adds what the machine allows on the 4-bit path (measured in the same run, csrc/probe.c): the time
+to read the step's weight bytes once (the decoder's blocks and the LM head's int8 screen) at the measured
+memory rate, plus each row's multiply-adds (the int8 digits times the decoder's weights, the screen's two
+terms times the head's) at the measured AVX512-VNNI rate (64 per vpdpbusd), and each step's ratio to it.
+
+    .venv/bin/python benchmarks/step_rows.py --sizes 1,2,5,9,17 --components --bound
 """
 from __future__ import annotations
 
@@ -64,6 +69,27 @@ def instrument(llm: LLM, sizes: list[int], components: bool) -> list[dict]:
     return records
 
 
+def step_bound(llm: LLM, gguf_compute: str):
+    """rows -> seconds: the weight bytes at the measured memory rate plus the rows' int8 multiply-adds at the
+    measured VNNI rate (see the module docstring); prints the rates."""
+    model = llm.llm_engine.runner.model
+    digits = {"int8": 2, "q8": 1}.get(gguf_compute)
+    screen = getattr(model.lm_head, "_screen", None)
+    if digits is None or screen is None:
+        raise SystemExit("--bound is for the 4-bit path with int8 activations and the greedy screen")
+    decoder_bytes, decoder_weights = model.linear_weight_bytes()
+    screen_bytes = screen[0].numel()
+    read_rate, dot_rate = kernels.machine_rates(decoder_bytes + screen_bytes)
+    if not dot_rate:
+        raise SystemExit("--bound needs AVX512-VNNI")
+    macs_per_row = digits * decoder_weights + 2 * screen_bytes
+    read_s = (decoder_bytes + screen_bytes) / read_rate
+    row_s = macs_per_row / 64 / dot_rate
+    print(f"bound: {(decoder_bytes + screen_bytes) / 2**20:.0f} MiB at {read_rate / 1e9:.1f} GB/s = {read_s * 1e3:.2f} ms "
+          f"+ {macs_per_row / 1e6:.0f} M multiply-adds a row at {64 * dot_rate / 1e9:.0f} G/s = {row_s * 1e3:.3f} ms a row")
+    return lambda rows: read_s + rows * row_s
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default=DEFAULT_DATASET)
@@ -72,6 +98,7 @@ def main() -> None:
     p.add_argument("--sizes", default="1,2,5,9,17")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--components", action="store_true", help="the decoder stack's kernels' shares")
+    p.add_argument("--bound", action="store_true", help="the bytes' time plus the multiply-adds at the VNNI rate")
     p.add_argument("--gguf-dequantize", action="store_true", help="fp32 weights instead of GGUF blocks")
     p.add_argument("--gguf-compute", default="int8", choices=GGUF_COMPUTE)
     args = p.parse_args()
@@ -89,6 +116,7 @@ def main() -> None:
         llm.llm_engine.kv_cache_manager.reset_prefix_cache()
         llm.generate([prompt.as_engine_prompt()], params, use_tqdm=False)
 
+    bound = step_bound(llm, args.gguf_compute) if args.bound else None
     by_size = defaultdict(list)
     for rec in records:
         if rec["rows"] in sizes:
@@ -102,12 +130,15 @@ def main() -> None:
 
     print(f"{len(prompts)} prompts, {args.max_tokens} tokens; median ms per step by rows (steps), "
           f"and relative to the one-row step's total")
-    print(f"{'rows':>5} {'steps':>6} " + " ".join(f"{k:>12}" for k in keys))
+    print(f"{'rows':>5} {'steps':>6} " + " ".join(f"{k:>12}" for k in keys) + ("  bound ms, step/bound" if bound else ""))
     base = med(sizes[0], "total")
     for n in sizes:
         if not by_size[n]:
             continue
         cells = " ".join(f"{med(n, k):6.2f} {med(n, k) / base:5.2f}" for k in keys)
+        if bound:
+            limit = bound(n) * 1e3
+            cells += f"  {limit:6.2f} {med(n, 'total') / limit:5.2f}"
         print(f"{n:>5} {len(by_size[n]):>6} {cells}")
 
 

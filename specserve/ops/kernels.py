@@ -31,7 +31,7 @@ ENV_VAR = "SPECSERVE_KERNELS"
 BACKENDS = ("auto", "c", "torch")
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "gemm_gguf.c", "gemm_q4_i8.c", "decoder.c", "greedy.c",
-                        "kv_copy.c", "ngram.c")]
+                        "kv_copy.c", "ngram.c", "probe.c")]
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("specserve_math.h", "specserve_kernels.h", "gemm_common.h", "gemm_q4_i8_path.h", "gemm_q4_i8_amx.h")]
 # -fno-trapping-math lets GCC vectorize floorf (no FP exceptions are relied on anywhere).
@@ -133,6 +133,8 @@ def _bind(lib):
         "q4_i8_supported": ([i64], ctypes.c_int),
         "q4_i8_select": ([i64], ctypes.c_int),
         "q4_i8_amx_check_in_child": ([i64], ctypes.c_int),
+        "probe_read": ([ptr, i64], ctypes.c_uint64),
+        "probe_dot_products": ([i64], i64),
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
                                  i64, i64, i64, i64, f32, f32, ptr, i64, ptr], ctypes.c_int),
     }
@@ -438,6 +440,23 @@ def decoder_forward(layers, x: torch.Tensor, final_norm: torch.Tensor, cos: torc
     if failed:
         raise MemoryError("decoder kernel: out of memory for its buffers")
     return out, (list(aux.unbind(0)) if aux is not None else None)
+
+
+def machine_rates(read_bytes: int, repeats: int = 20) -> tuple[float, float]:
+    """(bytes read per second from memory over a buffer of `read_bytes`, 512-bit int8 dot products per second
+    (AVX512-VNNI; 0 where the CPU has none)), each the best of `repeats`, on the kernels' threads
+    (csrc/probe.c). For benchmarks' bounds."""
+    import time
+    buf = torch.ones(-(-read_bytes // 256) * 256, dtype=torch.uint8)
+    lib, best_read, best_dot = _lib(), float("inf"), float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        lib.probe_read(buf.data_ptr(), buf.numel())
+        best_read = min(best_read, time.perf_counter() - start)
+        start = time.perf_counter()
+        done = lib.probe_dot_products(200_000)
+        best_dot = min(best_dot, time.perf_counter() - start)
+    return buf.numel() / best_read, done / best_dot
 
 
 DECODER_PROFILE_PARTS = ("projections", "attention", "other_ops")

@@ -5,6 +5,8 @@ error instead of turning them into skips and a green run.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from specserve.ops import kernels
@@ -23,3 +25,20 @@ def require_c_kernels() -> None:
     if kernels.kernels_backend() == "c":
         pytest.fail(f"{kernels.ENV_VAR}=c but the C kernels did not build: {error}", pytrace=False)
     pytest.skip(f"the C kernels do not build here ({kernels.ENV_VAR}=c would fail instead): {error}")
+
+
+def int8_paths_to_test() -> list[str]:
+    """The int8 kernels' instruction-set paths this CPU runs, and the AMX path's code on emulated tiles where
+    the VNNI path runs (so the AMX code is checked on CPUs without AMX too)."""
+    paths = kernels.int8_paths()
+    return paths + ([kernels.AMX_EMULATED] if "avx512_vnni" in paths else [])
+
+
+@contextlib.contextmanager
+def int8_path(name: str):
+    """The int8 kernels on path `name` inside the block, the default after it."""
+    kernels.set_int8_path(name)
+    try:
+        yield
+    finally:
+        kernels.set_int8_path(None)

@@ -32,8 +32,7 @@ BACKENDS = ("auto", "c", "torch")
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "gemm_gguf.c", "gemm_q4_i8.c", "decoder.c", "greedy.c",
                         "kv_copy.c", "ngram.c", "probe.c")]
-HEADERS = [Path(__file__).parent / "csrc" / name
-           for name in ("specserve_math.h", "specserve_kernels.h", "gemm_common.h", "gemm_q4_i8_path.h", "gemm_q4_i8_amx.h")]
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # all of them: a header edit rebuilds
 # -fno-trapping-math lets GCC vectorize floorf (no FP exceptions are relied on anywhere).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 

@@ -17,7 +17,7 @@ import torch
 
 from specserve.models.gguf_quant import Q4, Q4_I8, Q4_Q8, QuantizedWeight, cat_rows, int8_activation_weights
 from specserve.ops import kernels
-from tests.kernel_support import requires_c_kernels
+from tests.kernel_support import int8_paths_to_test, requires_c_kernels
 
 pytestmark = requires_c_kernels
 
@@ -129,19 +129,12 @@ def restore_path():
     kernels.set_int8_path(None)
 
 
-def paths_to_test() -> list[str]:
-    """The paths this CPU runs, and the AMX path's code with emulated tiles where the VNNI path runs (so the
-    AMX kernel's layouts and epilogue are checked on CPUs without AMX too)."""
-    paths = kernels.int8_paths()
-    return paths + ([kernels.AMX_EMULATED] if "avx512_vnni" in paths else [])
-
-
 @pytest.mark.parametrize("digits", [2, 1])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_path_gives_the_same_bits_for_1_to_64_rows(threads, digits, restore_path):
     """Each instruction-set path (AMX, AVX512-VNNI, AVX2, portable C: csrc/gemm_q4_i8.c) gives the bits of the
     others, and on each a row's result is its one-row call's, whatever the batch and the thread count."""
-    paths = paths_to_test()
+    paths = int8_paths_to_test()
     assert paths[0] == "portable" and len(paths) == len(set(paths))
     rng = np.random.default_rng(6)
     n = 1000  # 31 blocks and a partial one: unequal shares per thread
@@ -213,13 +206,19 @@ def test_the_path_can_be_chosen_by_environment():
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
 def test_a_baseline_x86_build_holds_every_path(tmp_path):
-    """Built for the x86-64 baseline (no AVX), gemm_q4_i8.c still holds the AVX2 and AVX512-VNNI paths
-    (function-level target attributes), and each path the CPU runs gives the main library's bits."""
+    """Built for the x86-64 baseline (no AVX), the int8 kernels (the GEMM and the greedy screen, with what they
+    call) still hold the AVX2, AVX512-VNNI and AMX paths (function-level target attributes), and each path the
+    CPU runs gives the main library's bits."""
     cc = shutil.which("cc") or shutil.which("gcc")
-    src = kernels.SOURCES[0].parent
     out = tmp_path / "baseline.so"
-    subprocess.run([cc, "-O3", "-march=x86-64", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11",
-                    f"-I{src}", str(src / "gemm_q4_i8.c"), "-o", str(out), "-lm"], check=True, capture_output=True)
+    flags = [f for f in kernels.FLAGS if f not in ("-march=native", "-shared")] + ["-march=x86-64"]
+    sources = [p for p in kernels.SOURCES if p.name in ("gemm.c", "gemm_gguf.c", "gemm_q4_i8.c", "greedy.c",
+                                                                  "layer_ops.c")]
+    compiles = [subprocess.Popen([cc, *flags, "-c", str(p), "-o", str(tmp_path / f"{p.stem}.o")],
+                                 stderr=subprocess.PIPE) for p in sources]
+    assert all(c.wait(timeout=300) == 0 for c in compiles), [c.stderr.read()[-500:] for c in compiles]
+    subprocess.run([cc, *flags, "-shared", *(str(tmp_path / f"{p.stem}.o") for p in sources), "-o", str(out), "-lm"],
+                   check=True, capture_output=True, timeout=300)
     lib = ctypes.CDLL(str(out))
     lib.gemm_q4_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     lib.q4_i8_select.argtypes = lib.q4_i8_supported.argtypes = [ctypes.c_int64]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from specserve.ops import kernels
-from tests.kernel_support import requires_c_kernels
+from tests.kernel_support import int8_path, int8_paths_to_test, requires_c_kernels
 
 
 @pytest.fixture
@@ -171,11 +171,13 @@ def test_lm_head_argmax_is_the_argmax_of_the_fp32_logits(seed):
     x[3] = w[1900] * 50  # aligned with the tied columns: they are the maximum
     x[4] = w[400] * 50
     x[5] = 0.0  # every logit 0: the first column
-    for rows in (0, 1, 3, 9, 13, 40):
-        xr = x[:rows].contiguous()
-        expected = kernels.gemm_packed(xr, packed, None, w.shape[0]).argmax(dim=-1)
-        assert torch.equal(kernels.lm_head_argmax(xr, packed, *screen), expected)
-    assert kernels.lm_head_argmax(x[3:5].contiguous(), packed, *screen).tolist()[0] == 7
+    for path in int8_paths_to_test():  # the screen's integer sums on each instruction set
+        with int8_path(path):
+            for rows in (0, 1, 3, 9, 13, 40):
+                xr = x[:rows].contiguous()
+                expected = kernels.gemm_packed(xr, packed, None, w.shape[0]).argmax(dim=-1)
+                assert torch.equal(kernels.lm_head_argmax(xr, packed, *screen), expected), (path, rows)
+            assert kernels.lm_head_argmax(x[3:5].contiguous(), packed, *screen).tolist()[0] == 7
 
 
 @requires_c_kernels
@@ -217,10 +219,12 @@ def test_lm_head_argmax_on_ragged_shapes_and_outlier_activations(n, k):
     x[5:9, k // 2] = -300.0
     x[10] = 0.0
     packed, screen = kernels.pack_gemm_weight(w), kernels.pack_argmax_screen(w)
-    for rows in (1, 2, 9, 24):
-        xr = x[:rows].contiguous()
-        expected = kernels.gemm_packed(xr, packed, None, n).argmax(dim=-1)
-        assert torch.equal(kernels.lm_head_argmax(xr, packed, *screen), expected)
+    for path in int8_paths_to_test():  # k = 5, 61, 64: the AMX screen's 64-byte chunks whole, partial, absent
+        with int8_path(path):
+            for rows in (1, 2, 9, 24):
+                xr = x[:rows].contiguous()
+                expected = kernels.gemm_packed(xr, packed, None, n).argmax(dim=-1)
+                assert torch.equal(kernels.lm_head_argmax(xr, packed, *screen), expected), (path, rows)
 
 
 @requires_c_kernels

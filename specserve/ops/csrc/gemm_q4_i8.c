@@ -56,9 +56,9 @@
 typedef int32_t i32v __attribute__((vector_size(64)));
 typedef uint8_t u8v __attribute__((vector_size(64)));
 
-/* Q4_AMX_EMULATED: the AMX path's code with the tile instructions written in C, for tests; never chosen
- * by default. */
-enum { Q4_PORTABLE, Q4_AVX2, Q4_VNNI, Q4_AMX, Q4_AMX_EMULATED, Q4_PATHS };
+/* The instruction-set paths (INT8_*: specserve_kernels.h) by their short names here */
+enum { Q4_PORTABLE = INT8_PORTABLE, Q4_AVX2 = INT8_AVX2, Q4_VNNI = INT8_VNNI, Q4_AMX = INT8_AMX,
+       Q4_AMX_EMULATED = INT8_AMX_EMULATED, Q4_PATHS = INT8_PATHS };
 
 /* ---- the portable path: plain C (vectorized as the build's flags allow) ---- */
 
@@ -246,60 +246,18 @@ TARGET_VNNI static inline ALWAYS_INLINE int32_t quantize_group_vnni(const float 
 #define TILE_B0 6
 #define TILE_B1 7
 
-/* The 64-byte operand of ldtilecfg (palette 1). */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) tile_config_t;
-
-/* The tile operations of gemm_q4_i8_amx.h in C, as Intel's pseudo-code defines them, on per-thread tiles. */
-static __thread struct {
-    tile_config_t cfg;
-    uint8_t data[8][16][64];
-} emu;
-
-static void emu_tile_config(const tile_config_t *cfg) {
-    emu.cfg = *cfg;
-    memset(emu.data, 0, sizeof emu.data);
-}
-
-static void emu_tile_load(int t, const void *p, int64_t stride) {
-    memset(emu.data[t], 0, sizeof emu.data[t]);
-    for (int r = 0; r < emu.cfg.rows[t]; r++) memcpy(emu.data[t][r], (const uint8_t *)p + r * stride, emu.cfg.colsb[t]);
-}
-
-static void emu_tile_store(int t, void *p, int64_t stride) {
-    for (int r = 0; r < emu.cfg.rows[t]; r++) memcpy((uint8_t *)p + r * stride, emu.data[t][r], emu.cfg.colsb[t]);
-}
-
-static void emu_tile_zero(int t) { memset(emu.data[t], 0, sizeof emu.data[t]); }
-
-/* c[m][n] += sum over k of the 4 products a[m][4k + i] (signed) * b[k][4n + i] (unsigned), int32 lanes */
-static void emu_tile_dpbsud(int c, int a, int b) {
-    for (int m = 0; m < emu.cfg.rows[c]; m++)
-        for (int n = 0; n < emu.cfg.colsb[c] / 4; n++) {
-            int32_t sum;
-            memcpy(&sum, &emu.data[c][m][4 * n], 4);
-            for (int k = 0; k < emu.cfg.colsb[a] / 4; k++)
-                for (int i = 0; i < 4; i++)
-                    sum += (int32_t)(int8_t)emu.data[a][m][4 * k + i] * (int32_t)emu.data[b][k][4 * n + i];
-            memcpy(&emu.data[c][m][4 * n], &sum, 4);
-        }
-}
-
-static void emu_tile_release(void) {}
+#include "amx_tiles.h"
 
 #define Q4A_PATH amx
 #define Q4A_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma")))
-#define Q4A_EMULATED 0
+#define AMX_EMULATED 0
 #include "gemm_q4_i8_amx.h"
 #undef Q4A_PATH
 #undef Q4A_TARGET
-#undef Q4A_EMULATED
+#undef AMX_EMULATED
 #define Q4A_PATH amx_emulated
 #define Q4A_TARGET TARGET_VNNI
-#define Q4A_EMULATED 1
+#define AMX_EMULATED 1
 #include "gemm_q4_i8_amx.h"
 #endif /* Q4_X86 */
 
@@ -346,7 +304,7 @@ static int amx_self_check(int emulated) {
             gemm_blocks_amx(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc, digits);
         same &= memcmp(y_vnni, y_amx, sizeof y_vnni) == 0;
     }
-    return same;
+    return same && screen_amx_self_check(emulated);
 }
 
 /* 1 when amx_self_check(emulated) passes in a forked child (which may fault without harm: 0 then, as when
@@ -419,6 +377,8 @@ int q4_i8_select(int64_t path) {
     return q4_path;
 }
 
+int int8_path(void) { return q4_path >= 0 ? q4_path : q4_i8_select(-1); }
+
 /* x [M, K] -> per row and group of 32 the int8 digits, q[2mK .. 2mK + K) (hi) and q[2mK + K .. 2mK + 2K) (lo,
  * zeros with one digit), the unit u = d / 256 [M, K / 32] and u * sum(256 hi + lo), with `path`'s
  * instructions. */
@@ -438,7 +398,7 @@ static void quantize_rows(int path, const float *x, int64_t M, int64_t K, int8_t
 int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
                int64_t digits) {
     if (digits != 1 && digits != 2) return 1;
-    const int path = q4_path >= 0 ? q4_path : q4_i8_select(-1);
+    const int path = int8_path();
     const int amx = path == Q4_AMX || path == Q4_AMX_EMULATED;
     const int64_t ng = K / QGROUP;
 #if defined(Q4_X86)

@@ -1,4 +1,4 @@
-/* gemm_q4_i8.c's kernel on AMX tiles, included there twice: with Q4A_EMULATED 0 (the tile instructions) and 1
+/* gemm_q4_i8.c's kernel on AMX tiles, included there twice: with AMX_EMULATED 0 (the tile instructions) and 1
  * (the same tile operations written in C, which tests run on any AVX512-VNNI host to check this file's tile
  * layouts, the padding and the epilogue against the other paths). Q4A_PATH names the functions, Q4A_TARGET is
  * their target attribute.
@@ -13,21 +13,7 @@
 #define Q4A_JOIN(a, b) a##_##b
 #define Q4A_NAME(a, b) Q4A_JOIN(a, b)
 
-#if Q4A_EMULATED
-#define TILE_CONFIG(cfg) emu_tile_config(cfg)
-#define TILE_LOAD(t, p, stride) emu_tile_load(t, p, stride)
-#define TILE_STORE(t, p, stride) emu_tile_store(t, p, stride)
-#define TILE_ZERO(t) emu_tile_zero(t)
-#define TILE_DPBSUD(c, a, b) emu_tile_dpbsud(c, a, b)
-#define TILE_RELEASE() emu_tile_release()
-#else
-#define TILE_CONFIG(cfg) _tile_loadconfig(cfg)
-#define TILE_LOAD(t, p, stride) _tile_loadd(t, p, stride)
-#define TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
-#define TILE_ZERO(t) _tile_zero(t)
-#define TILE_DPBSUD(c, a, b) _tile_dpbsud(c, a, b)
-#define TILE_RELEASE() _tile_release()
-#endif
+#include "amx_tile_ops.h"
 
 /* y [M, N] from the quantized rows (xq: quantize_rows with `digits`, padded with zero rows to a multiple of
  * AMX_ROWS), the packed blocks and acc_all (per thread, AMX_ROWS-padded M rows x 32 fp32 accumulators). */
@@ -115,11 +101,6 @@ Q4A_TARGET static void Q4A_NAME(gemm_blocks, Q4A_PATH)(const int8_t *xq, const f
     }
 }
 
-#undef TILE_CONFIG
-#undef TILE_LOAD
-#undef TILE_STORE
-#undef TILE_ZERO
-#undef TILE_DPBSUD
-#undef TILE_RELEASE
+#include "amx_tile_ops_end.h"
 #undef Q4A_NAME
 #undef Q4A_JOIN

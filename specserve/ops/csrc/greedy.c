@@ -24,8 +24,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__)
+#if defined(__x86_64__)
 #include <immintrin.h>
+#define GREEDY_X86 1
+#define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define TARGET_AVX2 __attribute__((target("avx2")))
+#include "amx_tiles.h"
 #endif
 
 #include "specserve_kernels.h"
@@ -84,10 +88,24 @@ static double quantize_row(const float *x, int64_t K, int64_t K4, uint8_t *xu, d
 }
 
 /* dots[r][n] = sum_k xu[r][k] * q[n][k] for the `rows` activation rows of one block of 16 columns
- * (w: the block, [K4][16][4]). Integer sums: exact, whichever path computes them. */
-static inline __attribute__((always_inline)) void screen_block(const uint8_t *xu, int64_t K4, const int8_t *w,
-                                                               int32_t *dots, int64_t ldd, const int rows) {
-#if defined(__AVX512VNNI__)
+ * (w: the block, [K4][16][4]). Integer sums: exact, whichever path computes them. One function per
+ * instruction-set path (the int8 kernels' path, int8_path()), each built with its target attribute. */
+static inline __attribute__((always_inline)) void screen_block_portable(const uint8_t *xu, int64_t K4, const int8_t *w,
+                                                                        int32_t *dots, int64_t ldd, const int rows) {
+    for (int r = 0; r < rows; r++) {
+        int32_t acc[SCREEN_COLS] = {0};
+        for (int64_t k4 = 0; k4 < K4; k4++)
+            for (int c = 0; c < SCREEN_COLS; c++)
+                for (int j = 0; j < 4; j++)
+                    acc[c] += (int32_t)xu[r * K4 * 4 + k4 * 4 + j] * (int32_t)w[k4 * 64 + c * 4 + j];
+        memcpy(dots + r * ldd, acc, sizeof acc);
+    }
+}
+
+#if defined(GREEDY_X86)
+TARGET_VNNI static inline __attribute__((always_inline)) void screen_block_vnni(const uint8_t *xu, int64_t K4,
+                                                                                const int8_t *w, int32_t *dots,
+                                                                                int64_t ldd, const int rows) {
     __m512i acc[SCREEN_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_si512();
     for (int64_t k4 = 0; k4 < K4; k4++) {
@@ -100,9 +118,13 @@ static inline __attribute__((always_inline)) void screen_block(const uint8_t *xu
         }
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_si512((void *)(dots + r * ldd), acc[r]);
-#elif defined(__AVX2__)
-    /* No VNNI: bytes widened to int16 and multiplied in pairs (vpmaddwd, exact); lane 2c + i of acc[r][h] holds
-     * half i of column 4h + c's sum. */
+}
+
+/* No VNNI: bytes widened to int16 and multiplied in pairs (vpmaddwd, exact); lane 2c + i of acc[r][h] holds
+ * half i of column 4h + c's sum. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void screen_block_avx2(const uint8_t *xu, int64_t K4,
+                                                                                const int8_t *w, int32_t *dots,
+                                                                                int64_t ldd, const int rows) {
     __m256i acc[SCREEN_ROWS][4];
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < 4; h++) acc[r][h] = _mm256_setzero_si256();
@@ -123,42 +145,101 @@ static inline __attribute__((always_inline)) void screen_block(const uint8_t *xu
             _mm256_storeu_si256((__m256i *)lanes, acc[r][h]);
             for (int c = 0; c < 4; c++) dots[r * ldd + 4 * h + c] = lanes[2 * c] + lanes[2 * c + 1];
         }
-#else
-    for (int r = 0; r < rows; r++) {
-        int32_t acc[SCREEN_COLS] = {0};
-        for (int64_t k4 = 0; k4 < K4; k4++)
-            for (int c = 0; c < SCREEN_COLS; c++)
-                for (int j = 0; j < 4; j++)
-                    acc[c] += (int32_t)xu[r * K4 * 4 + k4 * 4 + j] * (int32_t)w[k4 * 64 + c * 4 + j];
-        memcpy(dots + r * ldd, acc, sizeof acc);
-    }
-#endif
 }
+#endif
+
+/* One pass of 2 * pairs activation rows over one block, with the row count a compile-time constant. */
+#define SCREEN_PASS(PATH, TARGET)                                                                           \
+    TARGET static void screen_pass_##PATH(const uint8_t *x, int64_t K4, const int8_t *w, int32_t *d,        \
+                                          int64_t ldd, int64_t pairs) {                                     \
+        switch (pairs) {                                                                                    \
+            case 1: screen_block_##PATH(x, K4, w, d, ldd, 2); break;                                        \
+            case 2: screen_block_##PATH(x, K4, w, d, ldd, 4); break;                                        \
+            case 3: screen_block_##PATH(x, K4, w, d, ldd, 6); break;                                        \
+            case 4: screen_block_##PATH(x, K4, w, d, ldd, 8); break;                                        \
+            case 5: screen_block_##PATH(x, K4, w, d, ldd, 10); break;                                       \
+            case 6: screen_block_##PATH(x, K4, w, d, ldd, 12); break;                                       \
+            case 7: screen_block_##PATH(x, K4, w, d, ldd, 14); break;                                       \
+            default: screen_block_##PATH(x, K4, w, d, ldd, 16); break;                                      \
+        }                                                                                                   \
+    }
+SCREEN_PASS(portable, )
+#if defined(GREEDY_X86)
+SCREEN_PASS(vnni, TARGET_VNNI)
+SCREEN_PASS(avx2, TARGET_AVX2)
+
+/* The screen on AMX tiles (greedy_amx.h), and the same code on emulated tiles (tests) */
+#define SA_PATH amx
+#define SA_TARGET __attribute__((target("amx-tile,amx-int8,avx512f")))
+#define AMX_EMULATED 0
+#include "greedy_amx.h"
+#undef SA_PATH
+#undef SA_TARGET
+#undef AMX_EMULATED
+#define SA_PATH amx_emulated
+#define SA_TARGET
+#define AMX_EMULATED 1
+#include "greedy_amx.h"
+#endif
 
 /* dots [R][Np] (Np = the columns rounded up to 16) for activation rows xu [R][K4 * 4] (R even: two terms a
- * row). Rows go through the weights in as few passes as SCREEN_ROWS allows, the passes equal in size. */
+ * row; rows up to R rounded up to 16 readable, zeros past R). Rows go through the weights in as few passes
+ * as SCREEN_ROWS allows, the passes equal in size; on AMX, in tiles of 16 rows. */
 static void screen_dots(const uint8_t *xu, int64_t R, int64_t K4, const int8_t *packed, int64_t Np, int32_t *dots) {
+    const int path = int8_path();
+#if defined(GREEDY_X86)
+    if (path == INT8_AMX) return screen_dots_amx(xu, R, K4, packed, Np, dots);
+    if (path == INT8_AMX_EMULATED) return screen_dots_amx_emulated(xu, R, K4, packed, Np, dots);
+#endif
     const int64_t passes = (R + SCREEN_ROWS - 1) / SCREEN_ROWS;
     const int64_t per_pass = 2 * ((R / 2 + passes - 1) / passes); /* activation rows, even, <= SCREEN_ROWS */
 #pragma omp parallel for schedule(static) if (R * K4 * Np >= (1 << 16))
     for (int64_t b = 0; b < Np / SCREEN_COLS; b++) {
         const int8_t *w = packed + b * K4 * 64;
         for (int64_t r0 = 0; r0 < R; r0 += per_pass) {
+            const int64_t pairs = (R - r0 < per_pass ? R - r0 : per_pass) / 2;
             const uint8_t *x = xu + r0 * K4 * 4;
             int32_t *d = dots + r0 * Np + b * SCREEN_COLS;
-            switch ((R - r0 < per_pass ? R - r0 : per_pass) / 2) {
-                case 1: screen_block(x, K4, w, d, Np, 2); break;
-                case 2: screen_block(x, K4, w, d, Np, 4); break;
-                case 3: screen_block(x, K4, w, d, Np, 6); break;
-                case 4: screen_block(x, K4, w, d, Np, 8); break;
-                case 5: screen_block(x, K4, w, d, Np, 10); break;
-                case 6: screen_block(x, K4, w, d, Np, 12); break;
-                case 7: screen_block(x, K4, w, d, Np, 14); break;
-                default: screen_block(x, K4, w, d, Np, 16); break;
+#if defined(GREEDY_X86)
+            if (path == INT8_VNNI) {
+                screen_pass_vnni(x, K4, w, d, Np, pairs);
+                continue;
             }
+            if (path == INT8_AVX2) {
+                screen_pass_avx2(x, K4, w, d, Np, pairs);
+                continue;
+            }
+#endif
+            screen_pass_portable(x, K4, w, d, Np, pairs);
         }
     }
 }
+
+#if defined(GREEDY_X86)
+/* screen_dots on (emulated) AMX tiles against the VNNI path on a fixed problem: 34 rows (three tiles, the
+ * last padded), K4 = 20 (a 16-row chunk and a tail of 4), 32 columns. Allocates nothing (gemm_q4_i8.c runs it
+ * in a forked child); 1 when the sums are equal. */
+int screen_amx_self_check(int emulated) {
+    enum { R = 34, PADDED = 48, K4 = 20, NP = 32 };
+    static uint8_t xu[PADDED * K4 * 4];
+    static int8_t q[NP * K4 * 4];
+    static int32_t want[R * NP], got[R * NP];
+    uint32_t state = 99;
+    for (int i = 0; i < R * K4 * 4; i++) xu[i] = (uint8_t)((state = state * 1664525u + 1013904223u) >> 24);
+    for (int i = 0; i < NP * K4 * 4; i++) q[i] = (int8_t)((state = state * 1664525u + 1013904223u) >> 24);
+    for (int64_t b = 0; b < NP / SCREEN_COLS; b++)
+        for (int64_t r0 = 0; r0 < R; r0 += 16)
+            screen_pass_vnni(xu + r0 * K4 * 4, K4, q + b * K4 * 64, want + r0 * NP + b * SCREEN_COLS, NP,
+                             (R - r0 < 16 ? R - r0 : 16) / 2);
+    if (emulated)
+        screen_dots_amx_emulated(xu, R, K4, q, NP, got);
+    else
+        screen_dots_amx(xu, R, K4, q, NP, got);
+    return memcmp(want, got, sizeof want) == 0;
+}
+#else
+int screen_amx_self_check(int emulated) { return (void)emulated, 0; }
+#endif
 
 /* Column n's screened logit of one row (d1, d2: its two terms' dot products) plus or minus its bound. */
 #define SCREENED(n) (scale[n] * (t * (d1[n] - 128.0 * col_sum[n]) + t2 * (d2[n] - 128.0 * col_sum[n])))
@@ -223,7 +304,8 @@ int lm_head_argmax_f32(const float *x, const void *data, int64_t format, int64_t
                        int64_t N, int64_t *out) {
     const int64_t K4 = (K + 3) / 4, Np = (N + SCREEN_COLS - 1) / SCREEN_COLS * SCREEN_COLS;
     const weight_t weight = {data, format, group}, *packed = &weight;
-    uint8_t *xu = malloc(2 * M * K4 * 4 + 1);
+    const int64_t tile_rows = (2 * M + 15) / 16 * 16; /* AMX reads whole tiles of 16 activation rows */
+    uint8_t *xu = calloc(tile_rows * K4 * 4 + 1, 1);
     int32_t *dots = malloc(sizeof(int32_t) * (2 * M * Np + 1));
     double *rows = malloc(sizeof(double) * (4 * M + 1)); /* per row: t, t2, e (quantize_row), ||x||_1 */
     if (!xu || !dots || !rows) {

@@ -35,6 +35,13 @@ int gemm_weight(const float *x, const weight_t *w, const float *bias, float *y, 
 float weight_column(const float *x, const weight_t *w, int64_t K, int64_t n);
 float half_to_float(uint16_t h);
 
+/* Instruction-set paths of the int8 kernels (gemm_q4_i8.c, the greedy screen in greedy.c): every path gives
+ * the same bits. INT8_AMX_EMULATED runs the AMX path's code with its tiles written in C, for tests. */
+enum { INT8_PORTABLE, INT8_AVX2, INT8_VNNI, INT8_AMX, INT8_AMX_EMULATED, INT8_PATHS };
+int int8_path(void); /* the path in use (the fastest this CPU runs unless q4_i8_select chose another) */
+int q4_i8_select(int64_t path);
+int screen_amx_self_check(int emulated); /* greedy.c: its AMX screen against its VNNI screen, 1 when equal */
+
 void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t *out);
 
 #endif

@@ -2,7 +2,8 @@
 
 They are compiled on first use with the machine's C compiler (`cc -O3 -march=native -fopenmp`) into one
 library under `~/.cache/specserve/kernels/` (or `$SPECSERVE_CACHE_DIR/kernels`), keyed by the sources,
-the flags and the CPU, so later starts load it in milliseconds; calls go through ctypes. Their OpenMP
+the flags and the CPU, so later starts load it in milliseconds; calls go through ctypes. The int8 kernels
+hold one compiled copy per instruction set (INT8_PATHS) and run the fastest the CPU has. Their OpenMP
 regions resolve to the libgomp that PyTorch has already loaded, so they run on torch's thread pool and
 follow `torch.set_num_threads`.
 

@@ -19,7 +19,10 @@
  * the same bits. The AMX path is taken only after a forked child has run it on a fixed problem and given the
  * VNNI path's bits (a fault or a wrong result there costs the child, not the process).
  *
- * Packed layout (WEIGHT_Q4_I8): gemm_gguf.c's Q4 records (a[32], b[32], then the group's q) with the q bytes
+ * WEIGHT_Q4_Q8 (gguf_compute="q8") is the same layout multiplied by one digit (lo = 0, llama.cpp's Q8_0
+ * activations): half the dot products, the same code otherwise.
+ *
+ * Packed layout (WEIGHT_Q4_I8, WEIGHT_Q4_Q8): gemm_gguf.c's Q4 records (a[32], b[32], then the group's q) with the q bytes
  * of each group reordered from [k][16] to [k / 4][16][4]: byte 4j + i of quad t holds column j (low nibble)
  * and column j + 16 (high nibble) at k = 4t + i, so one 64-byte load gives 16 columns x 4 k's for each half.
  */
@@ -55,10 +58,6 @@
 
 typedef int32_t i32v __attribute__((vector_size(64)));
 typedef uint8_t u8v __attribute__((vector_size(64)));
-
-/* The instruction-set paths (INT8_*: specserve_kernels.h) by their short names here */
-enum { Q4_PORTABLE = INT8_PORTABLE, Q4_AVX2 = INT8_AVX2, Q4_VNNI = INT8_VNNI, Q4_AMX = INT8_AMX,
-       Q4_AMX_EMULATED = INT8_AMX_EMULATED, Q4_PATHS = INT8_PATHS };
 
 /* ---- the portable path: plain C (vectorized as the build's flags allow) ---- */
 
@@ -346,14 +345,14 @@ static int amx_usable(void) {
 /* Whether this CPU (and its OS, for the vector and tile state) runs `path`. */
 int q4_i8_supported(int64_t path) {
     switch (path) {
-        case Q4_PORTABLE: return 1;
+        case INT8_PORTABLE: return 1;
 #if defined(Q4_X86)
-        case Q4_AVX2:
+        case INT8_AVX2:
             __builtin_cpu_init();
             return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-        case Q4_VNNI:
-        case Q4_AMX_EMULATED: return vnni_supported();
-        case Q4_AMX: {
+        case INT8_VNNI:
+        case INT8_AMX_EMULATED: return vnni_supported();
+        case INT8_AMX: {
             static int usable = -1;
             if (usable < 0) usable = amx_usable();
             return usable;
@@ -369,8 +368,8 @@ static int q4_path = -1;
  * changes) when the CPU cannot run `path`. */
 int q4_i8_select(int64_t path) {
     if (path < 0) {
-        for (path = Q4_AMX; !q4_i8_supported(path); path--) {}
-    } else if (path >= Q4_PATHS || !q4_i8_supported(path)) {
+        for (path = INT8_AMX; !q4_i8_supported(path); path--) {}
+    } else if (path >= INT8_PATHS || !q4_i8_supported(path)) {
         return -1;
     }
     q4_path = (int)path;
@@ -385,9 +384,9 @@ int int8_path(void) { return q4_path >= 0 ? q4_path : q4_i8_select(-1); }
 static void quantize_rows(int path, const float *x, int64_t M, int64_t K, int8_t *q, float *unit, float *usum,
                           int digits) {
 #if defined(Q4_X86)
-    if (path == Q4_VNNI || path == Q4_AMX || path == Q4_AMX_EMULATED)
+    if (path == INT8_VNNI || path == INT8_AMX || path == INT8_AMX_EMULATED)
         return quantize_rows_vnni(x, M, K, q, unit, usum, digits);
-    if (path == Q4_AVX2) return quantize_rows_avx2(x, M, K, q, unit, usum, digits);
+    if (path == INT8_AVX2) return quantize_rows_avx2(x, M, K, q, unit, usum, digits);
 #endif
     quantize_rows_portable(x, M, K, q, unit, usum, digits);
 }
@@ -399,10 +398,10 @@ int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *
                int64_t digits) {
     if (digits != 1 && digits != 2) return 1;
     const int path = int8_path();
-    const int amx = path == Q4_AMX || path == Q4_AMX_EMULATED;
     const int64_t ng = K / QGROUP;
 #if defined(Q4_X86)
     /* AMX: the digits padded with zero rows to whole tiles, and each thread's fp32 accumulators */
+    const int amx = path == INT8_AMX || path == INT8_AMX_EMULATED;
     const int64_t rows = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;
     const int64_t acc_floats = amx ? omp_get_max_threads() * rows * BLOCK : 0;
 #else
@@ -418,10 +417,10 @@ int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *
     quantize_rows(path, x, M, K, xq, xu, xs, (int)digits);
     switch (path) {
 #if defined(Q4_X86)
-        case Q4_AMX: gemm_blocks_amx(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits); break;
-        case Q4_AMX_EMULATED: gemm_blocks_amx_emulated(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits); break;
-        case Q4_VNNI: gemm_blocks_vnni(xq, xu, xs, packed, bias, y, M, K, N, (int)digits); break;
-        case Q4_AVX2: gemm_blocks_avx2(xq, xu, xs, packed, bias, y, M, K, N, (int)digits); break;
+        case INT8_AMX: gemm_blocks_amx(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits); break;
+        case INT8_AMX_EMULATED: gemm_blocks_amx_emulated(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits); break;
+        case INT8_VNNI: gemm_blocks_vnni(xq, xu, xs, packed, bias, y, M, K, N, (int)digits); break;
+        case INT8_AVX2: gemm_blocks_avx2(xq, xu, xs, packed, bias, y, M, K, N, (int)digits); break;
 #endif
         default: gemm_blocks_portable(xq, xu, xs, packed, bias, y, M, K, N, (int)digits); break;
     }

@@ -26,7 +26,7 @@ from specserve.bench.common import DEFAULT_DATASET, read_specbench, render_promp
 from specserve.bench.latency import select_per_category
 from specserve.config import GGUF_COMPUTE
 from specserve.llm import LLM
-from specserve.ops import kernels
+from specserve.ops import profiling
 from specserve.sampling_params import SamplingParams
 
 
@@ -40,13 +40,13 @@ def instrument(llm: LLM, sizes: list[int], components: bool) -> list[dict]:
         rec = {"rows": sched.total_num_scheduled_tokens, "forward": 0.0, "sample": 0.0}
         records.append(rec)
         if components:
-            kernels.decoder_profile(reset=True)
+            profiling.decoder_profile(reset=True)
         start = time.perf_counter()
         out = execute(sched)
         rec["total"] = time.perf_counter() - start
         rec["rest"] = rec["total"] - rec["forward"] - rec["sample"]
         if components:
-            rec.update(kernels.decoder_profile())
+            rec.update(profiling.decoder_profile())
         return out
 
     def timed(fn, key):
@@ -79,7 +79,7 @@ def step_bound(llm: LLM, gguf_compute: str):
         raise SystemExit("--bound is for the 4-bit path with int8 activations and the greedy screen")
     decoder_bytes, decoder_weights = model.linear_weight_bytes()
     screen_bytes = screen[0].numel()
-    read_rate, dot_rate = kernels.machine_rates(decoder_bytes + screen_bytes)
+    read_rate, dot_rate = profiling.machine_rates(decoder_bytes + screen_bytes)
     if not dot_rate:
         raise SystemExit("--bound needs AVX512-VNNI")
     macs_per_row = digits * decoder_weights + 2 * screen_bytes
@@ -123,7 +123,7 @@ def main() -> None:
             by_size[rec["rows"]].append(rec)
     keys = ["total", "forward", "sample", "rest"]
     if args.components:
-        keys += list(kernels.DECODER_PROFILE_PARTS)
+        keys += list(profiling.DECODER_PROFILE_PARTS)
 
     def med(size, key):
         return statistics.median(r[key] for r in by_size[size]) * 1e3

@@ -83,10 +83,10 @@ def step_bound(llm: LLM, gguf_compute: str):
     if not dot_rate:
         raise SystemExit("--bound needs AVX512-VNNI")
     macs_per_row = digits * decoder_weights + 2 * screen_bytes
-    read_s = (decoder_bytes + screen_bytes) / read_rate
-    row_s = macs_per_row / 64 / dot_rate
-    print(f"bound: {(decoder_bytes + screen_bytes) / 2**20:.0f} MiB at {read_rate / 1e9:.1f} GB/s = {read_s * 1e3:.2f} ms "
-          f"+ {macs_per_row / 1e6:.0f} M multiply-adds a row at {64 * dot_rate / 1e9:.0f} G/s = {row_s * 1e3:.3f} ms a row")
+    nbytes = decoder_bytes + screen_bytes
+    read_s, row_s = nbytes / read_rate, macs_per_row / 64 / dot_rate
+    print(f"bound: {nbytes / 2**20:.0f} MiB at {read_rate / 1e9:.1f} GB/s = {read_s * 1e3:.2f} ms + "
+          f"{macs_per_row / 1e6:.0f} M multiply-adds a row at {64 * dot_rate / 1e9:.0f} G/s = {row_s * 1e3:.3f} ms a row")
     return lambda rows: read_s + rows * row_s
 
 
@@ -130,7 +130,8 @@ def main() -> None:
 
     print(f"{len(prompts)} prompts, {args.max_tokens} tokens; median ms per step by rows (steps), "
           f"and relative to the one-row step's total")
-    print(f"{'rows':>5} {'steps':>6} " + " ".join(f"{k:>12}" for k in keys) + ("  bound ms, step/bound" if bound else ""))
+    header = f"{'rows':>5} {'steps':>6} " + " ".join(f"{k:>12}" for k in keys)
+    print(header + ("  bound ms, step/bound" if bound else ""))
     base = med(sizes[0], "total")
     for n in sizes:
         if not by_size[n]:

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models import openblas
-from specserve.models.gguf_quant import QuantizedWeight
+from specserve.models.gguf_quant import INT8_ACTIVATION_FORMATS, QuantizedWeight
 from specserve.ops import kernels
 
 logger = logging.getLogger(__name__)
@@ -291,7 +291,7 @@ class FastLinear(torch.nn.Module):
         """Keep an int8 copy of an fp32 C-GEMM weight without bias so that `argmax` can screen with it;
         False (and nothing kept) on any other path."""
         if self._slow not in ("c", "c_gguf") or self._numpy_max_rows or self.bias is not None or (
-                self._wq is not None and self._wq.format in (kernels.WEIGHT_Q4_I8, kernels.WEIGHT_Q4_Q8)):  # x to int8 digits
+                self._wq is not None and self._wq.format in INT8_ACTIVATION_FORMATS):  # its GEMM rounds x to int8
             return False
         if self._screen is None:
             self._screen = kernels.pack_argmax_screen(self.dense_weight())

@@ -144,8 +144,9 @@ def _bind(lib):
     return lib
 
 
-# Instruction-set paths of the 4-bit GEMM with int8 activations (csrc/gemm_q4_i8.c), slowest first: all give
-# the same bits; the fastest the CPU runs is used unless SPECSERVE_INT8_PATH names another. AMX_EMULATED is the
+# Instruction-set paths of the int8 kernels (the 4-bit GEMM, csrc/gemm_q4_i8.c, and the LM head's screen,
+# csrc/greedy.c), slowest first: all give the same bits; the fastest the CPU runs is used unless
+# SPECSERVE_INT8_PATH names another. AMX_EMULATED is the
 # AMX path's code with the tile instructions written in C, for tests on CPUs without AMX: never chosen by itself.
 INT8_PATHS = ("portable", "avx2", "avx512_vnni", "amx")
 AMX_EMULATED = "amx_emulated"

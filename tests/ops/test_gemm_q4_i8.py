@@ -234,3 +234,15 @@ def test_a_baseline_x86_build_holds_every_path(tmp_path):
             y = torch.empty(7, 96)
             assert lib.gemm_q4_i8(x.data_ptr(), weight.packed.data_ptr(), None, y.data_ptr(), 7, 192, 96, 2) == 0
             assert torch.equal(y, want), name
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_a_compiler_without_amx_builds_the_other_paths():
+    """The tile intrinsics need GCC 11 or Clang 12 (amx_tiles.h): with INT8_AMX_BUILT 0, as an older
+    compiler gets, the int8 kernels still compile, the emulated AMX code included."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    src = kernels.SOURCES[0].parent
+    flags = [f for f in kernels.FLAGS if f not in ("-shared",)] + ["-DINT8_AMX_BUILT=0", "-fsyntax-only", f"-I{src}"]
+    for name in ("gemm_q4_i8.c", "greedy.c"):
+        out = subprocess.run([cc, *flags, str(src / name)], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]

@@ -7,6 +7,16 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The tile intrinsics need GCC 11 or Clang 12: an older compiler builds every other path, and the emulated
+ * one (INT8_AMX_BUILT 0). */
+#ifndef INT8_AMX_BUILT
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define INT8_AMX_BUILT 1
+#else
+#define INT8_AMX_BUILT 0
+#endif
+#endif
+
 /* The 64-byte operand of ldtilecfg (palette 1). */
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];

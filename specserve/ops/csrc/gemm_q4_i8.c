@@ -247,6 +247,7 @@ TARGET_VNNI static inline ALWAYS_INLINE int32_t quantize_group_vnni(const float 
 
 #include "amx_tiles.h"
 
+#if INT8_AMX_BUILT
 #define Q4A_PATH amx
 #define Q4A_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma")))
 #define AMX_EMULATED 0
@@ -254,6 +255,7 @@ TARGET_VNNI static inline ALWAYS_INLINE int32_t quantize_group_vnni(const float 
 #undef Q4A_PATH
 #undef Q4A_TARGET
 #undef AMX_EMULATED
+#endif
 #define Q4A_PATH amx_emulated
 #define Q4A_TARGET TARGET_VNNI
 #define AMX_EMULATED 1
@@ -297,10 +299,10 @@ static int amx_self_check(int emulated) {
     for (int digits = 1; digits <= 2; digits++) {
         quantize_rows_vnni(x, M, K, xq, xu, xs, digits);
         gemm_blocks_vnni(xq, xu, xs, packed, NULL, y_vnni, M, K, N, digits);
-        if (emulated)
-            gemm_blocks_amx_emulated(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc, digits);
-        else
-            gemm_blocks_amx(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc, digits);
+        if (emulated) gemm_blocks_amx_emulated(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc, digits);
+#if INT8_AMX_BUILT
+        else gemm_blocks_amx(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc, digits);
+#endif
         same &= memcmp(y_vnni, y_amx, sizeof y_vnni) == 0;
     }
     return same && screen_amx_self_check(emulated);
@@ -335,10 +337,14 @@ int q4_i8_amx_check_in_child(int64_t emulated) {
 /* Whether AMX runs here: the CPU's flags, Linux's permission for the tile state (arch_prctl
  * ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), and the self-check in a child. */
 static int amx_usable(void) {
+#if !INT8_AMX_BUILT
+    return 0;
+#else
     __builtin_cpu_init();
     if (!vnni_supported() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return 0;
     if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return 0;
     return q4_i8_amx_check_in_child(0);
+#endif
 }
 #endif
 
@@ -417,7 +423,9 @@ int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *
     quantize_rows(path, x, M, K, xq, xu, xs, (int)digits);
     switch (path) {
 #if defined(Q4_X86)
+#if INT8_AMX_BUILT
         case INT8_AMX: gemm_blocks_amx(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits); break;
+#endif
         case INT8_AMX_EMULATED: gemm_blocks_amx_emulated(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits); break;
         case INT8_VNNI: gemm_blocks_vnni(xq, xu, xs, packed, bias, y, M, K, N, (int)digits); break;
         case INT8_AVX2: gemm_blocks_avx2(xq, xu, xs, packed, bias, y, M, K, N, (int)digits); break;

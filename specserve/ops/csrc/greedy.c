@@ -169,6 +169,7 @@ SCREEN_PASS(vnni, TARGET_VNNI)
 SCREEN_PASS(avx2, TARGET_AVX2)
 
 /* The screen on AMX tiles (greedy_amx.h), and the same code on emulated tiles (tests) */
+#if INT8_AMX_BUILT
 #define SA_PATH amx
 #define SA_TARGET __attribute__((target("amx-tile,amx-int8,avx512f")))
 #define AMX_EMULATED 0
@@ -176,6 +177,7 @@ SCREEN_PASS(avx2, TARGET_AVX2)
 #undef SA_PATH
 #undef SA_TARGET
 #undef AMX_EMULATED
+#endif
 #define SA_PATH amx_emulated
 #define SA_TARGET
 #define AMX_EMULATED 1
@@ -188,7 +190,9 @@ SCREEN_PASS(avx2, TARGET_AVX2)
 static void screen_dots(const uint8_t *xu, int64_t R, int64_t K4, const int8_t *packed, int64_t Np, int32_t *dots) {
     const int path = int8_path();
 #if defined(GREEDY_X86)
+#if INT8_AMX_BUILT
     if (path == INT8_AMX) return screen_dots_amx(xu, R, K4, packed, Np, dots);
+#endif
     if (path == INT8_AMX_EMULATED) return screen_dots_amx_emulated(xu, R, K4, packed, Np, dots);
 #endif
     const int64_t passes = (R + SCREEN_ROWS - 1) / SCREEN_ROWS;
@@ -231,10 +235,10 @@ int screen_amx_self_check(int emulated) {
         for (int64_t r0 = 0; r0 < R; r0 += 16)
             screen_pass_vnni(xu + r0 * K4 * 4, K4, q + b * K4 * 64, want + r0 * NP + b * SCREEN_COLS, NP,
                              (R - r0 < 16 ? R - r0 : 16) / 2);
-    if (emulated)
-        screen_dots_amx_emulated(xu, R, K4, q, NP, got);
-    else
-        screen_dots_amx(xu, R, K4, q, NP, got);
+    if (emulated) screen_dots_amx_emulated(xu, R, K4, q, NP, got);
+#if INT8_AMX_BUILT
+    else screen_dots_amx(xu, R, K4, q, NP, got);
+#endif
     return memcmp(want, got, sizeof want) == 0;
 }
 #else

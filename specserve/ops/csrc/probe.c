@@ -8,6 +8,8 @@
 #include <immintrin.h>
 #endif
 
+#include "specserve_kernels.h"
+
 typedef uint64_t u64v __attribute__((vector_size(64)));
 
 /* Reads buf [bytes] (a multiple of 256) once, split among the threads; returns a checksum so that the
@@ -50,10 +52,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static int64_t dot_produc
 
 int64_t probe_dot_products(int64_t iters) {
 #if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vnni"))
-        return dot_products_vnni(iters);
+    if (q4_i8_supported(INT8_VNNI)) return dot_products_vnni(iters);
 #endif
     (void)iters;
     return 0;

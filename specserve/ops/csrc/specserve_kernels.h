@@ -40,6 +40,7 @@ float half_to_float(uint16_t h);
 enum { INT8_PORTABLE, INT8_AVX2, INT8_VNNI, INT8_AMX, INT8_AMX_EMULATED, INT8_PATHS };
 int int8_path(void); /* the path in use (the fastest this CPU runs unless q4_i8_select chose another) */
 int q4_i8_select(int64_t path);
+int q4_i8_supported(int64_t path); /* whether this CPU (and OS) runs `path` */
 int screen_amx_self_check(int emulated); /* greedy.c: its AMX screen against its VNNI screen, 1 when equal */
 
 void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t *out);

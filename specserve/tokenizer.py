@@ -16,7 +16,7 @@ import jinja2.ext
 import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from specserve.models.loader import ModelLoadError, default_model_path
 
@@ -25,7 +25,22 @@ from specserve.models.loader import ModelLoadError, default_model_path
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 # GGUF token_type values (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+
+# Gemma's chat format, for GGUF files that carry no template: a system message opens the first user turn,
+# the assistant's role is "model".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set system = messages[0]['content'] ~ '\\n\\n' if messages and messages[0]['role'] == 'system' else '' -%}"
+    "{%- for message in messages if message['role'] != 'system' -%}"
+    "{%- if (message['role'] == 'user') != loop.index0 is even -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{{ '<start_of_turn>' ~ ('model' if message['role'] == 'assistant' else message['role']) ~ '\\n' }}"
+    "{{ (system if loop.first else '') ~ (message['content'] | trim) ~ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif -%}"
+)
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`; anything else gets GPT-2's.
 _LLAMA3_LIKE_SPLIT = (
@@ -81,7 +96,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str, use_cache: bool = True) -> "Tokenizer":
-        """From a GGUF file's `tokenizer.*` metadata (byte-level BPE only, i.e. ggml model 'gpt2').
+        """From a GGUF file's `tokenizer.*` metadata: byte-level BPE (ggml model 'gpt2') or SentencePiece
+        (model 'llama': merges by token score, byte fallback, as llama.cpp tokenizes it).
 
         Parsing the metadata takes seconds, so the result is cached next to the converted weights.
         """
@@ -225,22 +241,31 @@ def _tokenizer_from_gguf(path: str) -> tuple[tokenizers.Tokenizer, dict]:
     reader = open_gguf(path)
     fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
     kind = fields.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ModelLoadError(
-            f"{path}: tokenizer model {kind!r} is not supported; expected 'gpt2' (byte-level BPE)"
+            f"{path}: tokenizer model {kind!r} is not supported; expected 'gpt2' (byte-level BPE) or 'llama' "
+            "(SentencePiece)"
         )
     tokens = fields["tokenizer.ggml.tokens"]
-    backend = build_byte_level_bpe(
-        tokens, fields.get("tokenizer.ggml.merges", []), fields.get("tokenizer.ggml.token_type"),
-        fields.get("tokenizer.ggml.pre"),
-    )
+    if kind == "gpt2":
+        backend = build_byte_level_bpe(
+            tokens, fields.get("tokenizer.ggml.merges", []), fields.get("tokenizer.ggml.token_type"),
+            fields.get("tokenizer.ggml.pre"),
+        )
+    else:
+        backend = build_sentencepiece_bpe(tokens, fields["tokenizer.ggml.scores"],
+                                          fields.get("tokenizer.ggml.token_type"),
+                                          bool(fields.get("tokenizer.ggml.add_space_prefix", True)))
     bos_id, eos_id = fields.get("tokenizer.ggml.bos_token_id"), fields.get("tokenizer.ggml.eos_token_id")
     bos = tokens[bos_id] if bos_id is not None else None
     _add_bos_eos(backend, bos if fields.get("tokenizer.ggml.add_bos_token") else None,
                  tokens[eos_id] if fields.get("tokenizer.ggml.add_eos_token") else None)
     extra = [fields[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in fields]
+    template = fields.get("tokenizer.chat_template")
+    if template is None and "<start_of_turn>" in tokens and "<end_of_turn>" in tokens:
+        template = GEMMA_CHAT_TEMPLATE
     meta = {
-        "chat_template": fields.get("tokenizer.chat_template"),
+        "chat_template": template,
         "bos_token": bos,
         "eos_token": tokens[eos_id] if eos_id is not None else None,
         "extra_eos_token_ids": extra,
@@ -270,6 +295,37 @@ def build_byte_level_bpe(
                                 for t, s, k in zip(tokens, spelled, types) if k == _CONTROL and t == s])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, s, k in zip(tokens, spelled, types) if k == _USER_DEFINED and t == s])
+    return backend
+
+
+def build_sentencepiece_bpe(tokens: list[str], scores: list[float], token_types: list[int] | None,
+                           add_space_prefix: bool) -> tokenizers.Tokenizer:
+    """A SentencePiece-BPE tokenizer (GGUF model 'llama': Gemma, Llama 2, Mistral) from GGUF vocabulary data.
+
+    llama.cpp merges adjacent pieces into the vocabulary piece of highest score first; the merge list here
+    ranks every split of a piece into two vocabulary pieces by that score, so BPE applies them in the same
+    order. Spaces are '▁'; characters outside the vocabulary fall back to byte tokens <0xXX>."""
+    types = token_types or [_NORMAL] * len(tokens)
+    vocab = {token: i for i, token in enumerate(tokens)}
+    mergeable = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k == _NORMAL}
+    ranked = []
+    for piece, i in mergeable.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in mergeable and right in mergeable:
+                ranked.append((-scores[i], mergeable[left], mergeable[right], left, right))
+    ranked.sort()
+    unk = next((t for t in ("<unk>",) if t in vocab), None)
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[(l, r) for *_, l, r in ranked], unk_token=unk,
+                                              fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    backend.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if add_space_prefix else []) + steps)
+    decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(decode + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k == _CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types) if k == _USER_DEFINED])
     return backend
 
 

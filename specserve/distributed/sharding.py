@@ -92,6 +92,9 @@ def check_divisible(config: DecoderConfig, size: int) -> None:
     """ValueError naming the sizes when the model cannot be split over `size` ranks."""
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+    if config.moe is not None and size > 1:
+        raise ValueError(f"tensor_parallel_size={size}: mixture-of-experts models (model_type "
+                         f"{config.model_type!r}) are not split over ranks; use tensor_parallel_size=1")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")

@@ -84,7 +84,7 @@ class LLMEngine:
         drafter_kv = self.runner.drafter_kv
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching,
-            recompute_last_hit_block=reads_all_states,
+            recompute_last_hit_block=reads_all_states, sliding_window=getattr(self.model, "kv_window", 0),
             block_usable=drafter_kv.has_block if reads_all_states and drafter_kv is not None else None)
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.max_model_len, self.runner.num_lookahead_tokens),
@@ -104,6 +104,11 @@ class LLMEngine:
         per_block = self.runner.kv_bytes_per_block()  # the target's KV and the drafter's
         num_blocks = self.config.num_kv_blocks or self.config.kv_cache_memory_bytes // per_block
         needed = -(-self.max_model_len // self.config.block_size)
+        window = getattr(self.model, "kv_window", 0)
+        if window:  # blocks before the window are freed as a sequence grows: it holds the window's and those of
+            # its largest step (a prefill chunk, or a verification step's lookahead)
+            step = max(self.config.max_num_batched_tokens, self.runner.num_lookahead_tokens + 1)
+            needed = min(needed, -(-(window + step) // self.config.block_size) + 1)
         if num_blocks < needed and self.config.max_model_len is None and num_blocks >= 2:
             capped = num_blocks * self.config.block_size  # the model's own limit, not asked for: what fits
             logger.warning("max_model_len is capped to %d tokens, what the KV cache holds, below the model's %d; "

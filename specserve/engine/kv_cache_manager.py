@@ -128,13 +128,17 @@ class KVCacheManager:
     """Maps requests to blocks; prefix caching by a hash chain over full, verified blocks."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 recompute_last_hit_block: bool = False, block_usable: Callable[[int], bool] | None = None) -> None:
+                 recompute_last_hit_block: bool = False, block_usable: Callable[[int], bool] | None = None,
+                 sliding_window: int = 0) -> None:
         """recompute_last_hit_block: a prefix hit leaves its last block to compute. For drafters whose KV
         slot p pairs the target's state of token p with token p + 1 (EAGLE), a cached block's last slot
         holds the token that followed it in the request that filled it; recomputing the block gives this
         request's own pairing (and the target's state of the last hit token, which the drafter needs).
         block_usable: block id -> whether a hit may use it (a drafter that needs the target's states of every
-        token it lacks KV for: the hit stops at the first cached block without the drafter's KV)."""
+        token it lacks KV for: the hit stops at the first cached block without the drafter's KV).
+        sliding_window: when every layer attends to at most this many tokens (0: some layer sees all), a
+        request's blocks wholly before its next query's window are freed as it grows (kept in the prefix
+        cache until reused): its KV stays within window / block_size + 2 blocks plus lookahead."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -142,8 +146,10 @@ class KVCacheManager:
         self.recompute_last_hit_block = recompute_last_hit_block
         self.block_usable = block_usable
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.sliding_window = sliding_window
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        self.num_dropped_blocks: dict[str, int] = {}  # per request: its leading blocks freed past the window
         self.stats = PrefixCacheStats()
 
     @property
@@ -156,7 +162,12 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table; blocks freed past the window keep their (stale) ids, never read."""
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def num_request_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (its table less the blocks freed past the window)."""
+        return len(self.req_blocks.get(request_id, ())) - self.num_dropped_blocks.get(request_id, 0)
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend the request's hash chain to cover the full blocks among its first num_tokens tokens."""
@@ -220,7 +231,20 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if self.enable_caching:
             self._cache_verified_blocks(request, num_computed + num_new_tokens - num_draft_tokens)
+        if self.sliding_window:
+            self._drop_blocks_before_window(request.request_id, num_computed)
         return [b.block_id for b in new_blocks]
+
+    def _drop_blocks_before_window(self, rid: str, first_query: int) -> None:
+        """Free the blocks wholly before the window of the query at `first_query` (no later query of the request
+        reaches back further); with prefix caching, only blocks already offered to the cache."""
+        dead = max(0, first_query + 1 - self.sliding_window) // self.block_size
+        if self.enable_caching:
+            dead = min(dead, self.num_cached_blocks.get(rid, 0))
+        start = self.num_dropped_blocks.get(rid, 0)
+        if dead > start:
+            self.pool.free(self.req_blocks[rid][start:dead])
+            self.num_dropped_blocks[rid] = dead
 
     def _cache_verified_blocks(self, request: Request, num_verified_tokens: int) -> None:
         rid = request.request_id
@@ -238,7 +262,8 @@ class KVCacheManager:
         """Release a finished or preempted request's blocks; its tail blocks are reused first."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free(list(reversed(blocks)))
+        dropped = self.num_dropped_blocks.pop(request.request_id, 0)
+        self.pool.free(list(reversed(blocks[dropped:])))
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()

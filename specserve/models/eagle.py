@@ -31,6 +31,7 @@ class _DraftLayer:
         self.cfg, self.c_ops = cfg, c_ops
         self.q_size, self.kv_size = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
         self.scale = D ** -0.5
+        self.window = 0  # the target's KV window, when its cache manager frees blocks before it
         attn = "layers.0.self_attn."
         why = f"[heads x head_dim, {in_features}], heads and head_dim from config.json"
         weights = [expect_tensor(ckpt, attn + "q_proj.weight", (self.q_size, in_features), why),
@@ -69,7 +70,7 @@ class _DraftLayer:
         v = qkv[:, self.q_size + self.kv_size:].view(n, cfg.num_key_value_heads, cfg.head_dim)
         if not self.c_ops:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        attn = paged_attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
+        attn = paged_attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         residual = self.o_proj(attn) + residual  # a new tensor: the caller's residual is left as it was
         if self.c_ops:
             h = kernels.add_rms_norm(None, residual, self.post_norm, cfg.rms_norm_eps)
@@ -277,6 +278,7 @@ class Eagle3Head(_EagleHeadBase):
 def _draft_config(ckpt: DrafterCheckpoint) -> DecoderConfig:
     raw = dict(ckpt.config)
     raw.setdefault("num_hidden_layers", 1)
+    raw.pop("layer_types", None)  # a copy of the target's; the head attends over the target's KV window
     cfg = DecoderConfig.from_hf(raw)
     if cfg.hidden_act != "silu":
         raise ModelLoadError(f"{ckpt.source}: hidden_act {cfg.hidden_act!r} is not supported (supported: silu)")

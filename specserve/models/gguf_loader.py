@@ -1,6 +1,6 @@
 """Turns a GGUF checkpoint into a Hugging Face-style config dict and state dict.
 
-Weight matrices in a supported block type (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16) become
+Weight matrices in a supported block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16) become
 `QuantizedWeight`s, repacked for the C GEMM, which reads them as they are (specserve.models.gguf_quant);
 other types are dequantized to float32 at load, with a log line. Repacking takes seconds, so the result
 is cached as safetensors (the packed blocks, not fp32), keyed by the GGUF file's path, size and mtime.
@@ -35,6 +35,16 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+# GGUF architectures whose `{arch}.expert_count` makes them MoE -> (model_type, architectures[0]); llama.cpp
+# writes Mixtral as arch llama with experts
+_MOE_ARCHITECTURES = {
+    "llama": ("mixtral", "MixtralForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 _GLOBAL_TENSOR_NAMES = {
@@ -55,7 +65,21 @@ _LAYER_TENSOR_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# 3-D [experts, rows, cols] tensors, split into one weight per expert (split_experts)
+_EXPERT_TENSOR_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+
+# Gemma 3's four norms a layer: its ffn_norm comes before the MLP, not after attention as in the Llama family
+_GEMMA3_TENSOR_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                        "post_ffw_norm": "post_feedforward_layernorm"}
+# llama.cpp's gemma3 constants that its GGUFs do not store: one full-attention layer in six (the sixth), the
+# local layers' RoPE base
+_GEMMA3_SLIDING_PATTERN, _GEMMA3_LOCAL_ROPE_BASE = 6, 10000.0
 
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -134,7 +158,7 @@ def gguf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
     hidden = required("embedding_length")
     num_heads = required("attention.head_count")
     head_dim = key("attention.key_length") or (key("rope.dimension_count") if arch == "llama" else None)
-    return {
+    config = {
         "model_type": arch,
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "hidden_size": hidden,
@@ -157,6 +181,64 @@ def gguf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
+    if arch == "gemma3":
+        config |= _gemma3_fields(meta, config)
+    return config | _moe_fields(meta, arch, tensor_shapes, config["num_hidden_layers"], path)
+
+
+def _gemma3_fields(meta: dict[str, Any], config: dict) -> dict:
+    """Gemma 3's config.json fields (transformers' Gemma3TextConfig) from gemma3.* metadata and llama.cpp's
+    constants: every sixth layer full attention, the others sliding; local RoPE base 10000; attention
+    scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B, as llama.cpp does)."""
+    layers = config["num_hidden_layers"]
+    pattern = int(meta.get("gemma3.attention.sliding_window_pattern") or _GEMMA3_SLIDING_PATTERN)
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+    return {
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "sliding_window": int(meta["gemma3.attention.sliding_window"]),
+        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)],
+        "query_pre_attn_scalar": scalar,
+        "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_BASE,
+        "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping"),
+        "attn_logit_softcapping": meta.get("gemma3.attn_logit_softcapping"),
+    }
+
+
+def _moe_fields(meta: dict[str, Any], arch: str, tensor_shapes: dict[str, tuple[int, ...]], num_layers: int,
+                path: str) -> dict:
+    """The config.json fields of an MoE model from `{arch}.expert_*` metadata; {} for a dense one.
+
+    Which layers are MoE shows in the tensors (a router, `ffn_gate_inp`, per MoE layer). Renormalising the
+    top-k weights follows llama.cpp: on for Mixtral and Qwen3-MoE, off for Qwen2-MoE, unless
+    `{arch}.expert_weights_norm` says otherwise."""
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        return {}
+    if arch not in _MOE_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} with experts is not supported; supported: "
+                             f"{sorted(_MOE_ARCHITECTURES)}")
+    model_type, architecture = _MOE_ARCHITECTURES[arch]
+    fields = {"model_type": model_type, "architectures": [architecture],
+              "num_experts_per_tok": int(meta.get(f"{arch}.expert_used_count") or 0)}
+    if model_type == "mixtral":
+        return fields | {"num_local_experts": experts}  # every layer MoE, each expert of feed_forward_length
+    moe_layers = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_shapes]
+    first = moe_layers[0] if moe_layers else 0
+    fields.update(
+        num_experts=experts,
+        moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length")
+                                  or tensor_shapes.get(f"blk.{first}.ffn_gate_exps.weight", (0, 0))[1]),
+        norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", model_type == "qwen3_moe")),
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(num_layers) if i not in moe_layers])
+    if model_type == "qwen2_moe":
+        fields["qkv_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+        fields["shared_expert_intermediate_size"] = int(
+            meta.get(f"{arch}.expert_shared_feed_forward_length")
+            or tensor_shapes.get(f"blk.{first}.ffn_up_shexp.weight", (0,))[0])
+    return fields
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str) -> dict | None:
@@ -178,12 +260,15 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict | None:
 # ---------------------------------------------------------------- tensors
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The transformers parameter name for a GGUF tensor name; None for tensors HF has no use for."""
+def hf_tensor_name(gguf_name: str, model_type: str | None = None) -> str | None:
+    """The transformers parameter name for a GGUF tensor name (of a model of `model_type`); None for tensors
+    HF has no use for."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_TENSOR_NAMES:
         return f"{_GLOBAL_TENSOR_NAMES[base]}.{suffix}"
     match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
+    if match and model_type == "gemma3_text" and match[2] in _GEMMA3_TENSOR_NAMES:
+        return f"model.layers.{match[1]}.{_GEMMA3_TENSOR_NAMES[match[2]]}.{match[3]}"
     if match and match[2] in _LAYER_TENSOR_NAMES:
         return f"model.layers.{match[1]}.{_LAYER_TENSOR_NAMES[match[2]]}.{match[3]}"
     return None
@@ -231,12 +316,16 @@ def convert_tensors(reader, config: dict, path: str) -> dict[str, torch.Tensor |
     heads_for = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        expert = _LAYER_TENSOR_RE.fullmatch(tensor.name)
+        if expert and expert[2] in _EXPERT_TENSOR_NAMES:
+            state_dict.update(split_experts(tensor, f"model.layers.{expert[1]}.", expert[2], path))
+            continue
+        name = hf_tensor_name(tensor.name, arch)
         if name is None:
             logger.info("%s: skipping tensor %s", path, tensor.name)
             continue
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-        permuted = arch == "llama" and kind in heads_for  # qwen2/qwen3 GGUFs are not permuted
+        permuted = arch in ("llama", "mixtral") and kind in heads_for  # qwen GGUFs are not permuted
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if _keeps_blocks(tensor):
             order = unpermute_rotary_rows(np.arange(shape[0]), heads_for[kind]) if permuted else None
@@ -246,10 +335,29 @@ def convert_tensors(reader, config: dict, path: str) -> dict[str, torch.Tensor |
             logger.info("%s: tensor %s is %s, which the kernels do not read in blocks: dequantized to float32",
                         path, tensor.name, tensor.tensor_type.name)
         values = _dequantize(tensor, path)
+        if arch == "gemma3_text" and name.endswith("norm.weight"):
+            values = values - np.float32(1.0)  # llama.cpp stores Gemma's 1 + w; transformers' weights are w
         if permuted:
             values = unpermute_rotary_rows(values, heads_for[kind])
         state_dict[name] = torch.from_numpy(np.ascontiguousarray(values))  # [out, in] or [n]
     return state_dict
+
+
+def split_experts(tensor, prefix: str, kind: str, path: str) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """A 3-D expert tensor (`ffn_gate_exps`, ... : [experts, rows, cols], each expert's blocks contiguous) as
+    one weight per expert, `{prefix}mlp.experts.{e}.gate_proj.weight` etc.: QuantizedWeights for the block
+    types the kernels read, float32 otherwise."""
+    experts, rows, cols = (int(d) for d in reversed(tensor.shape))
+    names = [f"{prefix}mlp.experts.{e}.{_EXPERT_TENSOR_NAMES[kind]}.weight" for e in range(experts)]
+    type_name = tensor.tensor_type.name
+    if type_name in BLOCK_TYPES or type_name == "F16":
+        raw = np.asarray(tensor.data).reshape(experts, -1)
+        return {name: QuantizedWeight.from_gguf(raw[e], type_name, (rows, cols)) for e, name in enumerate(names)}
+    if type_name != "F32":
+        logger.info("%s: tensor %s is %s, which the kernels do not read in blocks: dequantized to float32",
+                    path, tensor.name, type_name)
+    values = _dequantize(tensor, path)  # [experts, rows, cols]
+    return {name: torch.from_numpy(np.ascontiguousarray(values[e])) for e, name in enumerate(names)}
 
 
 def dequantized(state_dict: dict) -> dict[str, torch.Tensor]:
@@ -328,7 +436,8 @@ def _write_cache(folder: Path, config: dict, state_dict: dict) -> None:
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32, use_cache: bool = True,
               keep_quantized: bool = False) -> tuple[dict, dict]:
-    """(HF config dict, HF-named state dict) for a llama/qwen2/qwen3 GGUF file.
+    """(HF config dict, HF-named state dict) for a llama/qwen2/qwen3 GGUF file, or their MoE kin (Mixtral,
+    qwen2moe, qwen3moe).
 
     keep_quantized (with dtype float32): weight matrices stay QuantizedWeights in the file's blocks; else
     every tensor is a `dtype` tensor (QuantizedWeights dequantized: exactly the gguf package's values)."""

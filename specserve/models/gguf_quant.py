@@ -1,7 +1,7 @@
 """GGUF weights kept in their quantized blocks, repacked for the C GEMM (csrc/gemm_gguf.c).
 
 Each supported block type stores a weight row as groups of G consecutive values w = a * q + b, q a small
-integer and a, b per group (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K: G = 32; Q6_K: G = 16). `decode_blocks` reads a
+integer and a, b per group (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K: G = 32; Q6_K: G = 16). `decode_blocks` reads a
 tensor's blocks into q [N, K] and a, b [N, K / G] (fp32, each a product of the file's fp16 scales and its
 small integer scales, exact in fp32); `QuantizedWeight.pack` lays them out for the kernel: per block of 32
 output columns, per group, a[32] and b[32] then the group's q, 4 bits a value (Q4: q in 0..15) or 8 (Q8).
@@ -61,6 +61,21 @@ def _decode_q8_0(raw):
     return raw[:, 2:34].view(np.int8), d, np.full_like(d, -0.0)
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """[n, 4] bytes of a little-endian uint32 -> [n, 32]: bit i of it, shifted to 16 (the fifth bit of value i)."""
+    bits = qh.copy().view("<u4")[:, 0][:, None] >> np.arange(32, dtype=np.uint32)
+    return ((bits & 1) << 4).astype(np.uint8)
+
+
+def _decode_q5_0(raw):
+    d = _halves(raw, 0)[:, None]
+    return _nibbles(raw[:, 6:22]) | _fifth_bits(raw[:, 2:6]), d, -16 * d
+
+
+def _decode_q5_1(raw):
+    return _nibbles(raw[:, 8:24]) | _fifth_bits(raw[:, 4:8]), _halves(raw, 0)[:, None], _halves(raw, 2)[:, None]
+
+
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and eight 6-bit mins -> ([n, 8], [n, 8]) uint8."""
     lo, hi, mixed = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
@@ -109,6 +124,8 @@ BLOCK_TYPES = {
     "Q4_0": (_decode_q4_0, Q4, 32, 32, 18),
     "Q4_1": (_decode_q4_1, Q4, 32, 32, 20),
     "Q8_0": (_decode_q8_0, Q8, 32, 32, 34),
+    "Q5_0": (_decode_q5_0, Q8, 32, 32, 22),
+    "Q5_1": (_decode_q5_1, Q8, 32, 32, 24),
     "Q4_K": (_decode_q4_k, Q4, 32, _SUPER, 144),
     "Q5_K": (_decode_q5_k, Q8, 32, _SUPER, 176),
     "Q6_K": (_decode_q6_k, Q8, 16, _SUPER, 210),

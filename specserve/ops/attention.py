@@ -1,7 +1,9 @@
 """Paged attention on CPU over a flattened batch whose requests have queries of any length.
 
 Every request in a step contributes `query_len` consecutive tokens at absolute positions
-`[context_len - query_len, context_len)` and attends causally to its whole context in the paged cache.
+`[context_len - query_len, context_len)` and attends causally to its whole context in the paged cache, or,
+in a layer with a sliding window w, to the last w tokens up to itself (`paged_attention(..., window=w)`: one
+step's metadata serves layers of every window).
 With the C kernel of `kernels.py` every request (decode, 1 + k verification, prefill chunks) is
 computed from the block pool in place, faster than SDPA over gathered blocks (1.7x for a 128-token
 prompt, and still ahead at 1024 tokens). Without it (no compiler, a non-fp32 cache,
@@ -12,7 +14,7 @@ the cache first, then attend, so a request may read blocks another request fills
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +75,18 @@ class BatchedGroup:
     out_index: torch.Tensor  # [T_g] flattened-batch token index of each real query
     context: ContextBlocks  # each request's cached context (keys past its context_len are masked)
     mask: torch.Tensor | None  # [B, 1, Q, L] bool, True = may attend; None when nothing is masked
+    query_pos: torch.Tensor  # [B, Q] absolute position of each (padded) query
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, made once a step
+
+    def mask_for(self, window: int) -> torch.Tensor | None:
+        """The mask of a layer with this sliding window (0: none)."""
+        if not window:
+            return self.mask
+        if window not in self.window_masks:
+            keys = torch.arange(self.context.length)[None, None, :]
+            seen = keys > self.query_pos[:, :, None] - window  # [B, Q, L]
+            self.window_masks[window] = seen.unsqueeze(1) if self.mask is None else seen.unsqueeze(1) & self.mask
+        return self.window_masks[window]
 
 
 @dataclass
@@ -83,6 +97,22 @@ class PrefillChunk:
     end: int
     context: ContextBlocks | None  # L = context_len
     mask: torch.Tensor | None  # [Q, context_len] bool, None when context is None
+    context_len: int = 0
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, made once a step
+
+    def mask_for(self, window: int) -> torch.Tensor | None:
+        """The [Q, L] mask of a layer with this sliding window (0: none; None then means causal over the
+        step's own keys)."""
+        if not window:
+            return self.mask
+        if window not in self.window_masks:
+            q_len = self.end - self.start
+            query_pos = torch.arange(self.context_len - q_len, self.context_len)[:, None]
+            keys = torch.arange(self.context_len if self.context is not None else q_len)[None, :]
+            if self.context is None:  # keys are the query's own tokens
+                keys = keys + self.context_len - q_len
+            self.window_masks[window] = (keys <= query_pos) & (keys > query_pos - window)
+        return self.window_masks[window]
 
 
 @dataclass
@@ -188,19 +218,20 @@ def _build_batched(rows, starts, query_lens, context_lens, block_tables, block_s
         mask = torch.arange(context.length)[None, None, :] <= abs_q[:, :, None]  # [B, Q, L]
         mask = mask.unsqueeze(1)
     flat_valid = valid.view(-1).nonzero().squeeze(1)
-    return BatchedGroup(token_index, flat_valid, token_index.view(-1)[flat_valid], context, mask)
+    query_pos = (c_lens - q_lens)[:, None] + qpos[None, :]
+    return BatchedGroup(token_index, flat_valid, token_index.view(-1)[flat_valid], context, mask, query_pos)
 
 
 def _build_prefill(i, starts, query_lens, context_lens, block_tables, block_size) -> PrefillChunk:
     q_len, c_len = query_lens[i], context_lens[i]
     if c_len == q_len:
-        return PrefillChunk(starts[i], starts[i] + q_len, None, None)
+        return PrefillChunk(starts[i], starts[i] + q_len, None, None, c_len)
     abs_q = torch.arange(c_len - q_len, c_len)
     mask = torch.arange(c_len)[None, :] <= abs_q[:, None]
     context = context_blocks([block_tables[i]], [c_len], block_size)
     if context.block_ids is not None:  # read exactly context_len keys, like the consecutive view
         context = ContextBlocks(context.block_ids, 0, c_len)
-    return PrefillChunk(starts[i], starts[i] + q_len, context, mask)
+    return PrefillChunk(starts[i], starts[i] + q_len, context, mask, c_len)
 
 
 def kv_caches(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -228,25 +259,27 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [N, H, D]; k, v: [N, Hkv, D] (this step's); returns [N, H * D]."""
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+    """q: [N, H, D]; k, v: [N, Hkv, D] (this step's); returns [N, H * D]. window: 0, or the layer's sliding
+    window (each query sees its last `window` tokens, itself included)."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if meta.kernel is not None:
         kb = meta.kernel
         paged_attention_c(q.contiguous(), out, k_cache, v_cache, kb.block_table, kb.query_start, kb.query_len,
-                              kb.context_len, scale)
+                              kb.context_len, scale, window)
     for g in meta.batched:
-        o = _attend(q[g.token_index], g.context.read(k_cache), g.context.read(v_cache), g.mask, scale)
+        o = _attend(q[g.token_index], g.context.read(k_cache), g.context.read(v_cache), g.mask_for(window), scale)
         out.index_copy_(0, g.out_index, o.reshape(-1, num_heads * head_dim)[g.valid_index])
     for p in meta.prefills:
+        mask = p.mask_for(window)
         if p.context is None:
-            o = _attend(q[None, p.start:p.end], k[None, p.start:p.end], v[None, p.start:p.end], None, scale,
-                        causal=True)
+            o = _attend(q[None, p.start:p.end], k[None, p.start:p.end], v[None, p.start:p.end],
+                        None if mask is None else mask[None, None], scale, causal=mask is None)
         else:
             o = _attend(q[None, p.start:p.end], p.context.read(k_cache), p.context.read(v_cache),
-                        p.mask[None, None], scale)
+                        mask[None, None], scale)
         out[p.start:p.end] = o.reshape(-1, num_heads * head_dim)
     return out
 

@@ -118,7 +118,8 @@ def _build() -> Path:
 def _bind(lib):
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "paged_attention_f32": ([ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32], ctypes.c_int),
+        "paged_attention_f32": ([ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64],
+                                ctypes.c_int),
         "add_rms_norm_f32": ([ptr, ptr, ptr, ptr, i64, i64, f32], None),
         "silu_mul_f32": ([ptr, ptr, i64, i64], None),
         "rope_qk_f32": ([ptr, ptr, ptr, i64, i64, i64, i64], None),
@@ -197,8 +198,9 @@ def _check(dtype: torch.dtype = torch.float32, **tensors: torch.Tensor) -> None:
 
 def paged_attention_c(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, query_start: torch.Tensor, query_len: torch.Tensor,
-                          context_len: torch.Tensor, scale: float) -> None:
+                          context_len: torch.Tensor, scale: float, window: int = 0) -> None:
     """Write the attention output of the listed requests' query tokens (any query length) into `out`.
+    window: 0, or a sliding window (each query sees its last `window` keys, itself included).
 
     q: [N, H, D]; caches: [num_blocks, block_size, Hkv, D] in attention.kv_caches' layouts (values
     contiguous, keys transposed within each block); block_table: [S, W] int64; query_start, query_len,
@@ -215,7 +217,7 @@ def paged_attention_c(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
     failed = _lib().paged_attention_f32(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
         block_table.shape[1], query_start.data_ptr(), query_len.data_ptr(), context_len.data_ptr(),
-        len(query_start), num_heads, num_kv_heads, head_dim, block_size, float(scale))
+        len(query_start), num_heads, num_kv_heads, head_dim, block_size, float(scale), int(window))
     if failed:
         raise MemoryError("paged kernel: out of memory for its work buffer")
 
@@ -403,7 +405,7 @@ class DecoderLayerC(ctypes.Structure):
     """csrc/decoder.c's layer_t."""
     _fields_ = [("qkv", LinearC), ("o_proj", LinearC), ("gate_up", LinearC), ("down", LinearC),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64)]
 
 
 def _ptr(t: torch.Tensor | None):

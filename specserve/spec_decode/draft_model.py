@@ -36,6 +36,10 @@ class DraftModelProposer:
             loaded.state_dict = int8_activation_weights(loaded.state_dict, ACTIVATION_DIGITS[target.gguf_compute])
         weight_dtype = "int8" if spec_config.quantization == "int8" else target.weight_dtype
         self.model = build_model(loaded.config, loaded.state_dict, dtype=target.dtype, weight_dtype=weight_dtype)
+        kv_window = getattr(target.model, "kv_window", 0)
+        if kv_window:  # its KV lives in the target's block tables, whose blocks are kept only for that window
+            for layer in self.model.layers:
+                layer.window = min(layer.window or kv_window, kv_window)
         target_vocab, draft_vocab = target.model.config.vocab_size, self.model.config.vocab_size
         if target_vocab != draft_vocab:
             raise ValueError(f"speculative_config.model {spec_config.model!r} has a vocabulary of {draft_vocab} "

@@ -17,9 +17,12 @@ from specserve.spec_decode.proposer import KVCacheSpec
 
 
 class DrafterKVCache:
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int) -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, window: int = 0) -> None:
+        """window: the target's KV window (KVCacheManager's sliding_window), 0 for none: blocks wholly before
+        it may already belong to other requests, so writes never mark them."""
         self.spec = spec
         self.block_size = block_size
+        self.window = window
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.caches = kv_caches(shape, spec.dtype, spec.num_layers)  # per layer (k, v)
         self.use_kernel = kernel_usable(spec.dtype)
@@ -44,7 +47,8 @@ class DrafterKVCache:
     def written(self, req_id: str, end: int, block_table: list[int]) -> None:
         """The drafter's KV of the request's tokens [0, end) is in place."""
         self.num_valid[req_id] = end
-        self.valid_blocks.update(block_table[:end // self.block_size])
+        first = max(0, end - self.window) // self.block_size if self.window else 0
+        self.valid_blocks.update(block_table[first:end // self.block_size])
 
     def has_block(self, block_id: int) -> bool:
         return block_id in self.valid_blocks

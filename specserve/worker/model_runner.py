@@ -120,7 +120,8 @@ class ModelRunner:
         self.kv_caches = kv_caches(self.model.kv_cache_shape(num_blocks, self.block_size), self.model.dtype,
                                    self.model.num_layers)
         if self.proposer is not None and self.proposer.needs.kv is not None:
-            self.drafter_kv = DrafterKVCache(self.proposer.needs.kv, num_blocks, self.block_size)
+            self.drafter_kv = DrafterKVCache(self.proposer.needs.kv, num_blocks, self.block_size,
+                                             getattr(self.model, "kv_window", 0))
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -25,7 +25,7 @@ from tests.kernel_support import requires_c_kernels
 from tests.models.test_fused_forward import _run
 
 Q = gguf.GGMLQuantizationType
-QUANTIZABLE = ("Q4_0", "Q4_1", "Q8_0", "F16")  # gguf.quants can write these
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")  # gguf.quants can write these
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # gguf.quants reads these only: their blocks are drawn at random
 TYPES = QUANTIZABLE + K_QUANTS
 
@@ -235,10 +235,10 @@ def test_default_model_keeps_a_fifth_of_the_weight_bytes(default_gguf_path):
 def test_cache_holds_the_packed_blocks(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "m.gguf"
-    write_model(path, {"blk.0.ffn_down": "Q5_0"}, np.random.default_rng(8))  # a type the kernels do not read
+    write_model(path, {"blk.0.ffn_down": "BF16"}, np.random.default_rng(8))  # a type the kernels do not read
     with caplog.at_level(logging.INFO, logger="specserve.models.gguf_loader"):
         _, first = load_gguf(str(path), keep_quantized=True)
-    assert "blk.0.ffn_down.weight is Q5_0" in caplog.text
+    assert "blk.0.ffn_down.weight is BF16" in caplog.text
     assert isinstance(first["model.layers.0.mlp.down_proj.weight"], torch.Tensor)
     assert isinstance(first["model.layers.0.mlp.up_proj.weight"], QuantizedWeight)
     (cache_file,) = (tmp_path / "cache").rglob("model.safetensors")

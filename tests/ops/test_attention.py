@@ -11,13 +11,17 @@ from tests.kernel_support import requires_c_kernels
 BLOCK_SIZE, NUM_BLOCKS, H, HKV, D = 16, 64, 6, 2, 64
 
 
-def _dense(q, k, v, scale):
-    """q: [Q, H, D] at the last Q positions of k, v: [L, Hkv, D]."""
+def _dense(q, k, v, scale, window=0):
+    """q: [Q, H, D] at the last Q positions of k, v: [L, Hkv, D]; window: each query sees its last `window`
+    keys (itself included), 0 for all."""
     q_len, c_len = q.shape[0], k.shape[0]
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.einsum("qhd,lhd->hql", q, k) * scale
-    allowed = torch.arange(c_len)[None, :] <= torch.arange(c_len - q_len, c_len)[:, None]
+    query_pos = torch.arange(c_len - q_len, c_len)[:, None]
+    allowed = torch.arange(c_len)[None, :] <= query_pos
+    if window:
+        allowed &= torch.arange(c_len)[None, :] > query_pos - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v).reshape(q_len, -1)
 
@@ -26,8 +30,11 @@ PATHS = [False, pytest.param(True, marks=requires_c_kernels)]
 
 
 def _run(query_lens, context_lens, block_tables, use_kernel=False, seed=0, head_dim=D, block_size=BLOCK_SIZE,
-         heads=(H, HKV), num_blocks=NUM_BLOCKS):
-    """Fill each request's earlier context into the cache, run one step, compare every token's output."""
+         heads=(H, HKV), num_blocks=NUM_BLOCKS, window=0, poison_outside_window=False):
+    """Fill each request's earlier context into the cache, run one step, compare every token's output.
+
+    poison_outside_window: NaN in every block wholly before the request's first query's window (blocks the
+    cache manager may have freed and given to another request): the output must not read them."""
     num_heads, num_kv_heads = heads
     g = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
@@ -42,6 +49,10 @@ def _run(query_lens, context_lens, block_tables, use_kernel=False, seed=0, head_
         full_k.append(k)
         full_v.append(v)
         slots += ctx_slots[c_len - q_len:]
+        if poison_outside_window:
+            dead = max(0, c_len - q_len + 1 - window) // block_size
+            k_cache[table[:dead]] = float("nan")
+            v_cache[table[:dead]] = float("nan")
     k_cache = kernel_key_layout(k_cache)  # as the engine stores keys (both paths read it)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=g)
     step_k = torch.cat([k[c - n:] for k, n, c in zip(full_k, query_lens, context_lens)])
@@ -50,10 +61,10 @@ def _run(query_lens, context_lens, block_tables, use_kernel=False, seed=0, head_
                                     torch.tensor(slots, dtype=torch.long), use_kernel)
     assert (meta.kernel is not None) == use_kernel and (not use_kernel or not meta.prefills)
     scale = 1 / math.sqrt(head_dim)
-    out = paged_attention(q, step_k, step_v, k_cache, v_cache, meta, scale)
+    out = paged_attention(q, step_k, step_v, k_cache, v_cache, meta, scale, window)
     start = 0
     for i, (q_len, c_len) in enumerate(zip(query_lens, context_lens)):
-        ref = _dense(q[start:start + q_len], full_k[i], full_v[i], scale)
+        ref = _dense(q[start:start + q_len], full_k[i], full_v[i], scale, window)
         torch.testing.assert_close(out[start:start + q_len], ref, atol=1e-5, rtol=1e-5)
         start += q_len
     return out
@@ -70,7 +81,8 @@ def _scattered_tables(context_lens, seed=1, block_size=BLOCK_SIZE, num_blocks=NU
 
 
 # (16, 64): the kernel's vector path; other block sizes and head dims take its scalar path.
-@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 32), (4, 64), (16, 8)])
+# (16, 256): Gemma 3's heads, the vector path's widest
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 32), (4, 64), (16, 8), (16, 256)])
 @pytest.mark.parametrize("use_kernel", PATHS)
 def test_mixed_batch_with_scattered_blocks(use_kernel, block_size, head_dim):
     # decode, 1 + k verification, a prefill chunk over cached context, a fresh prefill; lengths in
@@ -101,6 +113,58 @@ def test_long_contexts_across_key_chunks(use_kernel, query_lens, context_lens):
     num_blocks = 256
     tables = _scattered_tables(context_lens, num_blocks=num_blocks)
     _run(query_lens, context_lens, tables, use_kernel, num_blocks=num_blocks)
+
+
+WINDOW_CASES = [
+    ([1], [700]),  # one decode, split over the threads, most chunks before the window
+    ([6, 1], [523, 260]),  # verification next to a decode
+    ([1, 5, 20, 17, 3, 16], [9, 14, 133, 33, 17, 16]),  # windows longer than some contexts, a fresh prefill
+    ([40, 1, 3], [400, 129, 128]),  # a chunk whose rows' windows start in different blocks
+]
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+@pytest.mark.parametrize("window", [1, 16, 21, 200])
+@pytest.mark.parametrize("query_lens,context_lens", WINDOW_CASES)
+def test_sliding_window_sees_the_last_window_keys(use_kernel, window, query_lens, context_lens):
+    num_blocks = 256
+    tables = _scattered_tables(context_lens, num_blocks=num_blocks)
+    _run(query_lens, context_lens, tables, use_kernel, num_blocks=num_blocks, window=window)
+
+
+@requires_c_kernels
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (4, 64), (16, 256), (16, 192)])  # vector, scalar
+@pytest.mark.parametrize("query_lens,context_lens", WINDOW_CASES)
+def test_kernel_never_reads_blocks_before_the_window(block_size, head_dim, query_lens, context_lens):
+    num_blocks = 1024 // block_size * 4
+    tables = _scattered_tables(context_lens, block_size=block_size, num_blocks=num_blocks)
+    _run(query_lens, context_lens, tables, True, block_size=block_size, head_dim=head_dim, num_blocks=num_blocks,
+         window=37, poison_outside_window=True)
+
+
+@requires_c_kernels
+@pytest.mark.parametrize("dim", [D, 256])
+def test_windowed_kernel_rows_are_bitwise_the_same_however_scheduled(dim):
+    """A windowed row's output is the same bits in a decode (split over threads), a verification step and a
+    long chunk: rows whose windows start later see the earlier blocks as exact zeros."""
+    num_blocks, window = 256, 150
+    g = torch.Generator().manual_seed(6)
+    k_cache = kernel_key_layout(torch.randn(num_blocks, BLOCK_SIZE, HKV, dim, generator=g))
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, HKV, dim, generator=g)
+    context_lens = [700, 300]
+    tables = _scattered_tables(context_lens, num_blocks=num_blocks)
+    q_all = [torch.randn(c, H, dim, generator=g) for c in context_lens]
+
+    def attend(i, n):
+        c, t = context_lens[i], tables[i]
+        flat = torch.tensor([t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c - n, c)])
+        k, v = k_cache.reshape(-1, HKV, dim)[flat], v_cache.view(-1, HKV, dim)[flat]
+        meta = build_attention_metadata([n], [c], [t], BLOCK_SIZE, flat, use_kernel=True)
+        return paged_attention(q_all[i][c - n:], k, v, k_cache, v_cache, meta, 0.125, window)[-1:]
+
+    for i in range(2):
+        alone = attend(i, 1)
+        assert all(torch.equal(attend(i, n), alone) for n in (2, 6, 17, 40, 200))
 
 
 @requires_c_kernels

@@ -50,6 +50,7 @@ typedef struct {
     linear_t qkv, o_proj, gate_up, down;
     const float *input_norm, *post_norm;
     float *k_cache, *v_cache;
+    int64_t window; /* sliding attention window, 0 for none */
 } layer_t;
 
 static void linear(const linear_t *l, const float *x, float *y, int64_t rows, int64_t in, int64_t out) {
@@ -99,7 +100,7 @@ int decoder_forward_f32(const layer_t *layers, int64_t num_layers, float *x, flo
         t = profile_mark(PROFILE_OTHER, t);
         failed = paged_attention_f32(q, attn, L->k_cache, L->v_cache, block_table, table_width, query_start,
                                      query_len, context_len, num_seqs, num_heads, num_kv_heads, head_dim,
-                                     block_size, scale);
+                                     block_size, scale, L->window);
         t = profile_mark(PROFILE_ATTENTION, t);
         linear(&L->o_proj, attn, mlp, N, q_size, hidden);
         t = profile_mark(PROFILE_PROJECTIONS, t);

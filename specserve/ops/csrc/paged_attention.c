@@ -19,8 +19,9 @@
  *   v cache      [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_table  [num_seqs, table_width] int64
  *   query_start, query_len, context_len  [num_seqs] int64
- * Query j of request s sits at absolute position context_len - query_len + j and attends to keys
- * 0 ..= that position.
+ * Query j of request s sits at absolute position p = context_len - query_len + j and attends to keys
+ * 0 ..= p, or with a sliding window w > 0 to keys p - w + 1 ..= p (the last w, itself included). Blocks
+ * wholly before a request's first query's window are never read: the cache manager may have freed them.
  */
 #include <math.h>
 #include <omp.h>
@@ -33,10 +34,15 @@
 #define MAX_STACK_ROWS 48
 #define MAX_HEAD_DIM 128
 
+/* The first key a query at absolute position `pos` sees: 0, or pos - window + 1 with a window. */
+static inline int64_t window_start(int64_t pos, int64_t window) {
+    return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+}
+
 static void attend_one(const float *q, float *out, const float *k_cache, const float *v_cache,
                        const int64_t *table, int64_t q_start, int64_t q_len, int64_t c_len,
                        int64_t kvh, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       int64_t block_size, float scale, float *work) {
+                       int64_t block_size, float scale, int64_t window, float *work) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t rows = group * q_len;
     const int64_t token_stride = num_kv_heads * head_dim;
@@ -51,7 +57,7 @@ static void attend_one(const float *q, float *out, const float *k_cache, const f
     }
     memset(acc, 0, sizeof(float) * rows * head_dim);
     const int64_t num_blocks = (c_len + block_size - 1) / block_size;
-    for (int64_t b = 0; b < num_blocks; b++) {
+    for (int64_t b = window_start(first_pos, window) / block_size; b < num_blocks; b++) {
         const float *kb = k_cache + table[b] * block_stride + kvh * head_dim * block_size; /* [head_dim][block_size] */
         const float *vb = v_cache + table[b] * block_stride + kvh * head_dim;
         const int64_t base = b * block_size;
@@ -60,9 +66,12 @@ static void attend_one(const float *q, float *out, const float *k_cache, const f
             int64_t n = first_pos + j + 1 - base; /* keys of this block row r may see */
             if (n <= 0) continue;
             if (n > block_size) n = block_size;
+            int64_t t0 = window_start(first_pos + j, window) - base; /* and the first it sees */
+            if (t0 < 0) t0 = 0;
+            if (t0 >= n) continue;
             const float *qr = q + ((q_start + j) * num_heads + kvh * group + g) * head_dim;
             float mb = -INFINITY;
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = t0; t < n; t++) {
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
                 for (int64_t d = 0; d < head_dim; d++) s += qr[d] * kb[d * block_size + t];
@@ -81,12 +90,12 @@ static void attend_one(const float *q, float *out, const float *k_cache, const f
             m[r] = m_new;
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = t0; t < n; t++) {
                 scores[t] = exp_nonpositive(scores[t] - m_new);
                 sum += scores[t];
             }
             l[r] += sum;
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = t0; t < n; t++) {
                 const float p = scores[t];
                 const float *vt = vb + t * token_stride;
 #pragma omp simd
@@ -104,7 +113,7 @@ static void attend_one(const float *q, float *out, const float *k_cache, const f
     }
 }
 
-/* ---- Vector path: block_size 16, head_dim = 16 * NC (NC <= 8); one (request, head) pair per work item --
+/* ---- Vector path: block_size 16, head_dim = 16 * NC (NC <= 8, or 16); one (request, head) pair per work item --
  * GCC vector extensions (zmm on AVX-512, pairs of ymm on AVX2). A block's 16 keys are stored dimension by
  * dimension, so a row's 16 scores accumulate as one vector (a broadcast query element times one key vector
  * per dimension) and max, exp and sum run on whole vectors. */
@@ -232,26 +241,26 @@ static inline __attribute__((always_inline)) void qk_rows(const float *kb, const
 static inline __attribute__((always_inline)) void pv_rows(const float *vb, int64_t token_stride, const float *p,
                                                           float *acc, int64_t acc_stride, const int rows, int64_t t0,
                                                           int64_t t1, const int NC) {
-    vf a[GROUP_ROWS * 8];
+    vf a[GROUP_ROWS * 16];
 #pragma GCC unroll 8
     for (int r = 0; r < rows; r++)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int c = 0; c < NC; c++) a[r * NC + c] = load_vf(acc + r * acc_stride + 16 * c);
     for (int64_t t = t0; t < t1; t++) {
         const float *vt = vb + t * token_stride;
-        vf v[8];
-#pragma GCC unroll 8
+        vf v[16];
+#pragma GCC unroll 16
         for (int c = 0; c < NC; c++) v[c] = load_vf(vt + 16 * c);
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const float pr = p[r * CHUNK_KEYS + t];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
             for (int c = 0; c < NC; c++) a[r * NC + c] += pr * v[c];
         }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < rows; r++)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int c = 0; c < NC; c++) memcpy(acc + r * acc_stride + 16 * c, &a[r * NC + c], sizeof(vf));
 }
 
@@ -266,12 +275,27 @@ static inline __attribute__((always_inline)) void pv_rows(const float *vb, int64
 static inline __attribute__((always_inline)) void partial_tile_vec(
         const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t q_start,
         int64_t q_len, int64_t c_len, int64_t r0, int64_t r1, int64_t b0, int64_t b1,
-        int64_t num_heads, int64_t num_kv_heads, float scale, float *st, float *sc, const int NC) {
+        int64_t num_heads, int64_t num_kv_heads, float scale, int64_t window, float *st, float *sc, const int NC) {
     const int64_t dim = 16 * NC, stride = dim + 2, group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * dim, block_stride = 16 * token_stride;
     const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const vf neg_inf = (vf){0} - INFINITY;
     if (b1 > (c_len + 15) / 16) b1 = (c_len + 15) / 16;
+    /* Blocks before every row's window hold only masked keys (exact zeros in every sum below): skipped. */
+    int64_t first_block = b1;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t fb = window_start(c_len - q_len + r % q_len, window) / 16;
+        first_block = fb < first_block ? fb : first_block;
+    }
+    if (b0 < first_block) b0 = first_block;
+    if (b0 >= b1) { /* no row sees any of these keys */
+        for (int64_t r = r0; r < r1; r++) {
+            memset(st + (r - r0) * stride, 0, sizeof(float) * dim);
+            st[(r - r0) * stride + dim] = -INFINITY;
+            st[(r - r0) * stride + dim + 1] = 0.0f;
+        }
+        return;
+    }
     const int64_t h0 = r0 / q_len / group * dim, h1 = ((r1 - 1) / q_len / group + 1) * dim; /* kv heads' floats */
     /* The whole chunk's keys and values of these kv heads into L2 first, rather than only one block ahead:
      * once requests have come and gone a request's blocks lie scattered over the pool, and reading scattered
@@ -284,17 +308,18 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
     }
     /* Per row, once: the keys it sees, its query, its kv head's offset within a token (no integer
      * divisions in the block loops: 3-4% of the kernel's time) */
-    int64_t lim[TILE_ROWS], qoff[TILE_ROWS], hoff[TILE_ROWS];
+    int64_t lim[TILE_ROWS], low[TILE_ROWS], qoff[TILE_ROWS], hoff[TILE_ROWS];
     for (int64_t r = r0; r < r1; r++) {
         const int64_t h = r / q_len, j = r % q_len;
         lim[r - r0] = c_len - q_len + j + 1;
+        low[r - r0] = window_start(c_len - q_len + j, window);
         qoff[r - r0] = ((q_start + j) * num_heads + h) * dim;
         hoff[r - r0] = h / group * dim;
     }
     /* 1. scores: sc[(r - r0) * CHUNK_KEYS + (b - b0) * 16 + t], -inf past the row's position: a row's 16
      * scores are sum_d q[d] * (the block's keys' dimension d), for groups of rows sharing each key vector's
      * load (the rows are of one kv head; rows that see none of the block's keys are masked like the rest). */
-    float qs[TILE_ROWS * 16 * 8]; /* the rows' queries times the scale */
+    float qs[TILE_ROWS * 16 * 16]; /* the rows' queries times the scale */
     for (int64_t r = r0; r < r1; r++)
         for (int64_t d = 0; d < dim; d++) qs[(r - r0) * dim + d] = q[qoff[r - r0] + d] * scale;
     for (int64_t b = b0; b < b1; b++) {
@@ -309,11 +334,11 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
             FOR_GROUP_SIZE(g1 - g0, QK_ROWS);
 #undef QK_ROWS
             for (int64_t r = g0; r < g1; r++) {
-                const int64_t n = lim[r - r0] - base;
-                if (n >= 16) continue;
+                const int64_t n = lim[r - r0] - base, before = low[r - r0] - base;
+                if (n >= 16 && before <= 0) continue;
                 float *sr = sc + (r - r0) * CHUNK_KEYS + (b - b0) * 16;
                 vf s = load_vf(sr);
-                const vi beyond = lane >= (float)n;
+                const vi beyond = (lane >= (float)n) | (lane < (float)before);
                 s = (vf)(((vi)s & ~beyond) | ((vi)neg_inf & beyond));
                 memcpy(sr, &s, sizeof s);
             }
@@ -343,7 +368,8 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
     /* 3. acc += p * v, key by key in order, one FMA chain per 16 floats of a row: rows in groups that
      * share each value vector's load, over the keys every row of the group sees; then each row alone over
      * the rest of its keys (same order, so the same numbers as a row alone). */
-    const int group_rows = NC <= 4 ? GROUP_ROWS : GROUP_ROWS / 2; /* accumulators: at most 24 vectors */
+    /* accumulators: at most 24 vectors (a 256-wide row alone takes 16) */
+    const int group_rows = NC <= 4 ? GROUP_ROWS : NC <= 8 ? GROUP_ROWS / 2 : 1;
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = b * 16;
         if (b + 1 < b1) prefetch_values(v_cache + table[b + 1] * block_stride, token_stride, h0, h1, 1);
@@ -375,7 +401,7 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
 
 #define PARTIAL_VEC(NC_)                                                                                  \
     partial_tile_vec(q, k_cache, v_cache, table, q_start, q_len, c_len, t0, t1, b0, b1, num_heads,        \
-                     num_kv_heads, scale, st + (t0 - r0) * (head_dim + 2), scores, NC_)
+                     num_kv_heads, scale, window, st + (t0 - r0) * (head_dim + 2), scores, NC_)
 
 /* partial_tile_vec over rows r0..r1-1 in tiles. One compiled copy (noinline) serves both ways of running
  * the chunks, so they agree to the bit. */
@@ -383,7 +409,7 @@ static __attribute__((noinline)) void partial_rows(const float *q, const float *
                                                    const int64_t *table, int64_t q_start, int64_t q_len,
                                                    int64_t c_len, int64_t r0, int64_t r1, int64_t b0,
                                                    int64_t b1, int64_t num_heads, int64_t num_kv_heads,
-                                                   int64_t head_dim, float scale, float *st) {
+                                                   int64_t head_dim, float scale, int64_t window, float *st) {
     float scores[TILE_ROWS * CHUNK_KEYS];
     for (int64_t t0 = r0; t0 < r1; t0 += TILE_ROWS) {
         const int64_t t1 = t0 + TILE_ROWS < r1 ? t0 + TILE_ROWS : r1;
@@ -395,7 +421,8 @@ static __attribute__((noinline)) void partial_rows(const float *q, const float *
             case 5: PARTIAL_VEC(5); break;
             case 6: PARTIAL_VEC(6); break;
             case 7: PARTIAL_VEC(7); break;
-            default: PARTIAL_VEC(8); break;
+            case 8: PARTIAL_VEC(8); break;
+            default: PARTIAL_VEC(16); break;
         }
     }
 }
@@ -438,17 +465,22 @@ static __attribute__((noinline)) void write_rows(float *out, const float *st, in
 
 static int64_t num_chunks(int64_t c_len) { return (c_len + 16 * CHUNK_BLOCKS - 1) / (16 * CHUNK_BLOCKS); }
 
+/* The first chunk any of a request's query rows reads (0 without a window). */
+static int64_t first_chunk(int64_t c_len, int64_t q_len, int64_t window) {
+    return window_start(c_len - q_len, window) / (16 * CHUNK_BLOCKS);
+}
+
 /* Chunks one after another: rows r0..r1-1 of one request (see partial_tile_vec). work: 2 * rows * (dim + 2). */
 static void attend_rows_chunked(const float *q, float *out, const float *k_cache, const float *v_cache,
                                 const int64_t *table, int64_t q_start, int64_t q_len, int64_t c_len, int64_t r0,
                                 int64_t r1, int64_t num_heads, int64_t num_kv_heads, int64_t dim, float scale,
-                                float *work) {
+                                int64_t window, float *work) {
     const int64_t rows = r1 - r0, nblocks = (c_len + 15) / 16;
     float *run = work, *part = work + rows * (dim + 2);
     init_state(run, rows, dim);
-    for (int64_t b0 = 0; b0 < nblocks; b0 += CHUNK_BLOCKS) {
+    for (int64_t b0 = first_chunk(c_len, q_len, window) * CHUNK_BLOCKS; b0 < nblocks; b0 += CHUNK_BLOCKS) {
         partial_rows(q, k_cache, v_cache, table, q_start, q_len, c_len, r0, r1, b0, b0 + CHUNK_BLOCKS, num_heads,
-                     num_kv_heads, dim, scale, part);
+                     num_kv_heads, dim, scale, window, part);
         fold_rows(run, part, rows, dim);
     }
     write_rows(out, run, q_start, q_len, r0, r1, num_heads, dim);
@@ -459,20 +491,21 @@ static void attend_rows_chunked(const float *q, float *out, const float *k_cache
 static int attend_split(const float *q, float *out, const float *k_cache, const float *v_cache,
                         const int64_t *block_table, int64_t table_width, const int64_t *query_start,
                         const int64_t *query_len, const int64_t *context_len, int64_t num_seqs, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t dim, float scale) {
+                        int64_t num_kv_heads, int64_t dim, float scale, int64_t window) {
     const int64_t stride = dim + 2, group = num_heads / num_kv_heads;
     /* item i: (seq item_seq[i], chunk item_chunk[i]); its partials start at scratch + item_off[i], kv head by
      * kv head */
     int64_t items = 0, floats = 0;
-    for (int64_t s = 0; s < num_seqs; s++) items += num_chunks(context_len[s]);
+#define SEQ_CHUNKS(s) (num_chunks(context_len[s]) - first_chunk(context_len[s], query_len[s], window))
+    for (int64_t s = 0; s < num_seqs; s++) items += SEQ_CHUNKS(s);
     int64_t *meta = malloc(sizeof(int64_t) * (3 * items + num_seqs + 1));
     if (!meta) return 1;
     int64_t *item_seq = meta, *item_chunk = meta + items, *item_off = meta + 2 * items, *first = meta + 3 * items;
     for (int64_t s = 0, i = 0; s < num_seqs; s++) {
         first[s] = i;
-        for (int64_t c = 0; c < num_chunks(context_len[s]); c++, i++) {
+        for (int64_t c = 0; c < SEQ_CHUNKS(s); c++, i++) {
             item_seq[i] = s;
-            item_chunk[i] = c;
+            item_chunk[i] = first_chunk(context_len[s], query_len[s], window) + c;
             item_off[i] = floats;
             floats += num_heads * query_len[s] * stride;
         }
@@ -490,13 +523,13 @@ static int attend_split(const float *q, float *out, const float *k_cache, const 
             const int64_t s = item_seq[i], b0 = item_chunk[i] * CHUNK_BLOCKS, rows = group * query_len[s];
             partial_rows(q, k_cache, v_cache, block_table + s * table_width, query_start[s], query_len[s],
                          context_len[s], kvh * rows, (kvh + 1) * rows, b0, b0 + CHUNK_BLOCKS, num_heads,
-                         num_kv_heads, dim, scale, scratch + item_off[i] + kvh * rows * stride);
+                         num_kv_heads, dim, scale, window, scratch + item_off[i] + kvh * rows * stride);
         }
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < num_seqs; s++) {
             const int64_t rows = num_heads * query_len[s];
             float *run = scratch + item_off[first[s]]; /* folds into chunk 0's partials */
-            for (int64_t c = 1; c < num_chunks(context_len[s]); c++)
+            for (int64_t c = 1; c < SEQ_CHUNKS(s); c++)
                 fold_rows(run, scratch + item_off[first[s] + c], rows, dim);
             write_rows(out, run, query_start[s], query_len[s], 0, rows, num_heads, dim);
         }
@@ -504,6 +537,7 @@ static int attend_split(const float *q, float *out, const float *k_cache, const 
     free(scratch);
     free(meta);
     return 0;
+#undef SEQ_CHUNKS
 }
 
 /* Whether to split the context over the threads: short queries (decode, verification) from too few
@@ -523,11 +557,11 @@ int paged_attention_f32(const float *q, float *out, const float *k_cache, const 
                         const int64_t *block_table, int64_t table_width, const int64_t *query_start,
                         const int64_t *query_len, const int64_t *context_len, int64_t num_seqs,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        float scale) {
-    const int vector_path = block_size == 16 && head_dim % 16 == 0 && head_dim <= 128;
+                        float scale, int64_t window) {
+    const int vector_path = block_size == 16 && head_dim % 16 == 0 && (head_dim <= 128 || head_dim == 256);
     if (vector_path && use_split(query_len, num_seqs, num_kv_heads))
         return attend_split(q, out, k_cache, v_cache, block_table, table_width, query_start, query_len,
-                            context_len, num_seqs, num_heads, num_kv_heads, head_dim, scale);
+                            context_len, num_seqs, num_heads, num_kv_heads, head_dim, scale, window);
     const int64_t group = num_heads / num_kv_heads;
     /* Few (request, kv head) pairs, as with a long prefill: split each pair's rows so every thread works
      * (the split pairs read their keys and values once per part). */
@@ -556,10 +590,10 @@ int paged_attention_f32(const float *q, float *out, const float *k_cache, const 
         if (vector_path)
             attend_rows_chunked(q, out, k_cache, v_cache, block_table + s * table_width, query_start[s],
                                 query_len[s], context_len[s], kvh * rows + r0, kvh * rows + r1, num_heads,
-                                num_kv_heads, head_dim, scale, work);
+                                num_kv_heads, head_dim, scale, window, work);
         else
             attend_one(q, out, k_cache, v_cache, block_table + s * table_width, query_start[s], query_len[s],
-                       context_len[s], kvh, num_heads, num_kv_heads, head_dim, block_size, scale, work);
+                       context_len[s], kvh, num_heads, num_kv_heads, head_dim, block_size, scale, window, work);
         if (work != stack_work) free(work);
     }
     return failed;

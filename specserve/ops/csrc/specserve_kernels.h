@@ -17,7 +17,7 @@ int paged_attention_f32(const float *q, float *out, const float *k_cache, const 
                         const int64_t *block_table, int64_t table_width, const int64_t *query_start,
                         const int64_t *query_len, const int64_t *context_len, int64_t num_seqs,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        float scale);
+                        float scale, int64_t window);
 
 void store_key(float *k_cache, int64_t slot, const float *key, int64_t row_floats, int64_t block_size);
 

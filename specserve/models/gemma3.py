@@ -14,14 +14,19 @@ import torch.nn.functional as F
 from specserve.models.gguf_quant import cat_rows
 from specserve.models.llama import DecoderConfig, LlamaForCausalLM, linear_bytes, make_linear, sliding_windows
 from specserve.models.rope import RotaryEmbedding, apply_rotary, inverse_frequencies
+from specserve.ops import kernels
 from specserve.ops.attention import AttentionMetadata, paged_attention
 
 GEMMA3_MODEL_TYPES = ("gemma3_text",)
 _SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
 
 
-def gemma_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 (`weight_plus_one` is 1 + w)."""
+def gemma_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float, c_ops: bool = False) -> torch.Tensor:
+    """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 (`weight_plus_one` is 1 + w), over the
+    last dimension; with `c_ops` the C kernel (one call instead of PyTorch's several ops)."""
+    if c_ops:
+        return kernels.add_rms_norm(None, x.reshape(-1, x.shape[-1]).contiguous(), weight_plus_one,
+                                    eps).view(x.shape)
     return F.rms_norm(x, (x.shape[-1],), weight_plus_one, eps)
 
 
@@ -52,10 +57,11 @@ class Gemma3Layer:
     """One layer; `forward` returns the new residual stream."""
 
     def __init__(self, cfg: DecoderConfig, weights: dict, prefix: str, window: int, scale: float,
-                 weight_dtype=None) -> None:
+                 weight_dtype=None, c_ops: bool = False) -> None:
+        """c_ops: norms and RoPE on the C kernels (fp32 with the kernels built), else PyTorch ops."""
         w = lambda name: weights[prefix + name]  # noqa: E731
         make = lambda weight: make_linear(weight, None, weight_dtype)  # noqa: E731
-        self.cfg, self.window, self.scale = cfg, window, scale
+        self.cfg, self.window, self.scale, self.c_ops = cfg, window, scale, c_ops
         self.qkv = make(cat_rows([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
                                   w("self_attn.v_proj.weight")]))
         self.o_proj = make(w("self_attn.o_proj.weight"))
@@ -72,26 +78,30 @@ class Gemma3Layer:
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        qkv = self.qkv(gemma_norm(x, self.input_norm, eps))
-        n = qkv.shape[0]
-        q = qkv[:, : self.q_size].view(n, cfg.num_attention_heads, cfg.head_dim)
-        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(n, cfg.num_key_value_heads, cfg.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].view(n, cfg.num_key_value_heads, cfg.head_dim)
-        q = apply_rotary(gemma_norm(q, self.q_norm, eps), cos, sin)
-        k = apply_rotary(gemma_norm(k, self.k_norm, eps), cos, sin)
+        cfg, eps, c = self.cfg, self.cfg.rms_norm_eps, self.c_ops
+        qkv = self.qkv(gemma_norm(x, self.input_norm, eps, c))
+        n, heads, kv_heads, dim = qkv.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q = gemma_norm(qkv[:, : self.q_size].view(n, heads, dim), self.q_norm, eps, c)
+        k = gemma_norm(qkv[:, self.q_size: self.q_size + self.kv_size].view(n, kv_heads, dim), self.k_norm, eps, c)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, kv_heads, dim)
+        if c:  # rotate q and k together in place
+            qk = torch.cat([q.view(n, -1), k.view(n, -1)], dim=1)
+            kernels.rope_qk(qk, cos.reshape(n, -1), sin.reshape(n, -1), heads + kv_heads, dim)
+            q, k = qk[:, : self.q_size].view(n, heads, dim), qk[:, self.q_size:].view(n, kv_heads, dim)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         attn = paged_attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale, self.window)
-        x = x + gemma_norm(self.o_proj(attn), self.post_attention_norm, eps)
-        gate_up = self.gate_up(gemma_norm(x, self.pre_mlp_norm, eps))
+        x = x + gemma_norm(self.o_proj(attn), self.post_attention_norm, eps, c)
+        gate_up = self.gate_up(gemma_norm(x, self.pre_mlp_norm, eps, c))
         inter = gate_up.shape[-1] // 2
         mlp = self.down(F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:])
-        return x + gemma_norm(mlp, self.post_mlp_norm, eps)
+        return x + gemma_norm(mlp, self.post_mlp_norm, eps, c)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's text decoder behind the Llama family's interface (forward, compute_logits, greedy_tokens,
-    aux hidden states, KV cache shape). Layers run as PyTorch ops over the C GEMMs and attention kernel; the
-    fused C stack (Llama layers only) does not apply."""
+    aux hidden states, KV cache shape). Layers run as Python over the C GEMMs and attention kernel; the
+    fused C stack (Llama layers only) does not apply; norms and RoPE take the C kernels where Llama layers do."""
 
     def __init__(self, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                  aux_hidden_layers: tuple[int, ...] = (), weight_dtype=None, shard=None) -> None:
@@ -107,14 +117,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         cfg = DecoderConfig.from_hf({**hf_config, "hidden_act": "gelu_pytorch_tanh"})
         self.config = self.layer_config = cfg
         self.dtype = dtype
-        self.c_ops = False
+        self.c_ops = kernels.kernel_usable(dtype)
         self.layer_types = hf_config.get("layer_types") or ["full_attention"] * cfg.num_hidden_layers
         self.embed_tokens = weights["model.embed_tokens.weight"]
         # transformers multiplies the looked-up rows by sqrt(hidden) held in the embedding's dtype
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(dtype)
         scale = float(hf_config.get("query_pre_attn_scalar") or cfg.head_dim) ** -0.5
         windows = sliding_windows(hf_config) or (0,) * cfg.num_hidden_layers
-        self.layers = [Gemma3Layer(cfg, weights, f"model.layers.{i}.", windows[i], scale, weight_dtype)
+        self.layers = [Gemma3Layer(cfg, weights, f"model.layers.{i}.", windows[i], scale, weight_dtype, self.c_ops)
                        for i in range(cfg.num_hidden_layers)]
         self.norm = plus_one(weights["model.norm.weight"])
         lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights.get("lm_head.weight", self.embed_tokens)
@@ -154,4 +164,4 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 aux[i] = x
             x = layer.forward(x, *cos_sin[self.layer_types[i]], kv_caches[i], meta)
         aux_states = [aux[i] for i in self.aux_hidden_layers] if aux else None
-        return gemma_norm(x, self.norm, self.config.rms_norm_eps), aux_states
+        return gemma_norm(x, self.norm, self.config.rms_norm_eps, self.c_ops), aux_states

@@ -157,3 +157,38 @@ def test_load_tokenizer_errors(tmp_path):
         load_tokenizer(str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_tokenizer(str(tmp_path))
+
+
+def test_gemma3_gguf_sentencepiece_vocabulary_tokenizes_as_transformers(gemma3_gguf_path):
+    """A SentencePiece GGUF vocabulary (tokenizer.ggml.model 'llama'): ids as transformers' own GGUF converter
+    gives them (the same as llama.cpp's on these texts, checked once), and text back as it was."""
+    import json
+    import os
+
+    from transformers import AutoTokenizer
+
+    from specserve.bench.common import DEFAULT_DATASET
+
+    ours = load_tokenizer(gemma3_gguf_path)
+    reference = AutoTokenizer.from_pretrained(os.path.dirname(gemma3_gguf_path),
+                                              gguf_file=os.path.basename(gemma3_gguf_path))
+    rows = [json.loads(line) for line in open(DEFAULT_DATASET)][::40]
+    texts = [r["turns"][0] for r in rows] + [
+        "  leading spaces and\ttabs\n\nnew paragraphs", "Ünïcödé 日本語 テキスト 🙂🚀", "a\u00a0b\u2003c",
+        "<start_of_turn>user\nHi<end_of_turn>\n", "numbers 1234567 3.14159", "x" * 50]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == reference(text)["input_ids"], text
+        assert ours.decode(ids[1:], skip_special_tokens=False) == text
+
+
+def test_gemma3_gguf_gets_gemmas_chat_format(gemma3_gguf_path):
+    tok = load_tokenizer(gemma3_gguf_path)
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+                                    {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}])
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    assert tok.encode(text, add_special_tokens=False)[:2] == [2, 105]  # <bos>, <start_of_turn> whole
+    assert {1, 106} <= tok.eos_token_ids  # <eos> and <end_of_turn> end a reply
+    with pytest.raises(Exception, match="alternate"):
+        tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specserve.config import EngineConfig, SpeculativeConfig
-from specserve.engine.kv_cache_manager import KVCacheManager
+from specserve.engine.kv_cache_manager import HybridKVCacheManager, KVCacheManager
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import RequestOutput
 from specserve.engine.request import Request, RequestStatus, SpecDecodeStats
@@ -71,8 +71,8 @@ class LLMEngine:
                                   self.spec_config, config.linear_weight_dtype,
                                   config.gguf_compute if config.keep_gguf_blocks else None)
         num_blocks = self._num_kv_blocks()
-        self.runner.initialize_kv_cache(num_blocks)
-        self.runner.calibrate_step_costs(num_blocks, config.max_num_seqs)
+        self.runner.initialize_kv_cache(num_blocks, self.num_window_blocks)
+        self.runner.calibrate_step_costs(min(num_blocks, self.num_window_blocks or num_blocks), config.max_num_seqs)
         self._build_scheduler(num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
@@ -86,6 +86,10 @@ class LLMEngine:
             num_blocks, self.config.block_size, self.config.enable_prefix_caching,
             recompute_last_hit_block=reads_all_states, sliding_window=getattr(self.model, "kv_window", 0),
             block_usable=drafter_kv.has_block if reads_all_states and drafter_kv is not None else None)
+        if self.num_window_blocks:  # windowed layers with a pool of their own; drafters follow the full tables
+            window = KVCacheManager(self.num_window_blocks, self.config.block_size, self.config.enable_prefix_caching,
+                                    sliding_window=max(self.runner.window_group_windows), null_block=True)
+            self.kv_cache_manager = HybridKVCacheManager(self.kv_cache_manager, window)
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.max_model_len, self.runner.num_lookahead_tokens),
                                    self.kv_cache_manager)
@@ -102,7 +106,8 @@ class LLMEngine:
 
     def _num_kv_blocks(self) -> int:
         per_block = self.runner.kv_bytes_per_block()  # the target's KV and the drafter's
-        num_blocks = self.config.num_kv_blocks or self.config.kv_cache_memory_bytes // per_block
+        budget = self._full_kv_budget()
+        num_blocks = self.config.num_kv_blocks or budget // per_block
         needed = -(-self.max_model_len // self.config.block_size)
         window = getattr(self.model, "kv_window", 0)
         if window:  # blocks before the window are freed as a sequence grows: it holds the window's and those of
@@ -121,6 +126,29 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} needs {needed * per_block / 2**20:.1f} MiB "
                 f"({needed} blocks); raise kv_cache_memory_bytes or lower max_model_len")
         return num_blocks
+
+    def _full_kv_budget(self) -> int:
+        """kv_cache_memory_bytes less the windowed layers' own pool, for a model mixing windowed and
+        full-attention layers (sets num_window_blocks; 0 for other models). That pool gets what max_num_seqs
+        sequences' windows and one step's blocks need, at most the budget's share its layers would have
+        without it, so neither pool holds fewer tokens than one shared pool would."""
+        self.num_window_blocks = 0
+        window_bytes = self.runner.window_kv_bytes_per_block()
+        budget = self.config.kv_cache_memory_bytes
+        if not window_bytes:
+            return budget
+        bs, seqs, window = self.config.block_size, self.config.max_num_seqs, max(self.runner.window_group_windows)
+        lookahead = self.runner.num_lookahead_tokens
+        need = min(seqs * (-(-(window + lookahead) // bs) + 2) + -(-self.config.max_num_batched_tokens // bs),
+                   seqs * -(-self.max_model_len // bs))
+        share = window_bytes / (window_bytes + self.runner.kv_bytes_per_block())
+        blocks = need if self.config.num_kv_blocks else min(need, int(budget * share) // window_bytes)
+        one_sequence = -(-(window + max(self.config.max_num_batched_tokens, lookahead + 1)) // bs) + 1
+        if blocks < min(one_sequence, need):
+            raise ValueError(f"kv_cache_memory_bytes={budget} leaves the sliding-window layers {blocks} blocks, fewer "
+                             f"than one sequence's window and step need ({one_sequence}); raise kv_cache_memory_bytes")
+        self.num_window_blocks = blocks + 1  # and the null block
+        return budget - self.num_window_blocks * window_bytes
 
     # ---- requests -----------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:

@@ -47,15 +47,19 @@ def block_extra_keys(request: Request, start: int, end: int) -> tuple[str, ...]:
 
 
 class BlockPool:
-    """All KV blocks; unreferenced blocks sit in an LRU free queue and stay cached until reused."""
+    """All KV blocks; unreferenced blocks sit in an LRU free queue and stay cached until reused.
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    null_block: block 0 is kept out of use, as the placeholder of blocks a sliding window no longer needs (a
+    prefix hit's blocks before the window): never allocated, freed, cached or read."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool, null_block: bool = False) -> None:
+        if num_blocks < 1 + null_block:
+            raise ValueError(f"num_blocks must be >= {1 + null_block}, got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.enable_caching = enable_caching
+        self.null_block = self.blocks[0] if null_block else None
         # Ordered oldest-freed first: allocation takes from the front, so the LRU cached block goes first.
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(int(null_block), num_blocks))
         self.cached: dict[bytes, KVCacheBlock] = {}
 
     @property
@@ -72,6 +76,8 @@ class BlockPool:
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on (cache-hit) blocks, pulling free ones out of the free queue."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1
@@ -97,12 +103,14 @@ class BlockPool:
     def free(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference per block; `blocks` is in eviction order (first freed, first reused)."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = None
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        if block.block_hash is not None:
+        if block.block_hash is not None or block is self.null_block:
             return
         if block_hash in self.cached:
             return  # an identical block is already cached; this one stays private
@@ -129,7 +137,7 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  recompute_last_hit_block: bool = False, block_usable: Callable[[int], bool] | None = None,
-                 sliding_window: int = 0) -> None:
+                 sliding_window: int = 0, null_block: bool = False) -> None:
         """recompute_last_hit_block: a prefix hit leaves its last block to compute. For drafters whose KV
         slot p pairs the target's state of token p with token p + 1 (EAGLE), a cached block's last slot
         holds the token that followed it in the request that filled it; recomputing the block gives this
@@ -138,14 +146,16 @@ class KVCacheManager:
         token it lacks KV for: the hit stops at the first cached block without the drafter's KV).
         sliding_window: when every layer attends to at most this many tokens (0: some layer sees all), a
         request's blocks wholly before its next query's window are freed as it grows (kept in the prefix
-        cache until reused): its KV stays within window / block_size + 2 blocks plus lookahead."""
+        cache until reused): its KV stays within window / block_size + 2 blocks plus lookahead.
+        null_block: reserve the pool's block 0 as the placeholder of a prefix hit's blocks before the window
+        (HybridKVCacheManager's window group)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.recompute_last_hit_block = recompute_last_hit_block
         self.block_usable = block_usable
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, null_block)
         self.sliding_window = sliding_window
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -209,17 +219,13 @@ class KVCacheManager:
         Returns the ids of the newly allocated blocks. The prefix cache commits only full blocks of
         verified tokens: the last num_draft_tokens of the new tokens are drafts and are never cached.
         """
+        if not self.can_allocate(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens):
+            return None
         bs = self.block_size
         is_admission = request.request_id not in self.req_blocks
+        num_needed = self._num_needed(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
-        num_required = -(-(num_computed + num_new_tokens + num_lookahead_tokens) // bs)
-        num_needed = num_required - len(blocks) - len(new_computed_blocks)
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
-            if not blocks:
-                del self.req_blocks[request.request_id]
-            return None
         if self.enable_caching and is_admission:
             # Counted on admission only: a waiting request retried every step while the pool is full
             # must not count its lookup once per retry.
@@ -246,6 +252,29 @@ class KVCacheManager:
             self.pool.free(self.req_blocks[rid][start:dead])
             self.num_dropped_blocks[rid] = dead
 
+    def _num_needed(self, request: Request, num_new_tokens: int, new_computed_blocks, num_lookahead_tokens: int) -> int:
+        """Blocks to take from the pool for num_new_tokens more tokens (+ lookahead) after the hit blocks."""
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = -(-(num_computed + num_new_tokens + num_lookahead_tokens) // self.block_size)
+        return num_required - len(self.req_blocks.get(request.request_id, ())) - len(new_computed_blocks)
+
+    def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks=(),
+                     num_lookahead_tokens: int = 0) -> bool:
+        """Whether allocate_slots with these arguments would find room."""
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not self.pool.null_block)
+        needed = self._num_needed(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens)
+        return needed <= self.pool.num_free_blocks - num_evictable_hits
+
+    def window_hit(self, request: Request, num_blocks: int) -> list[KVCacheBlock] | None:
+        """For a prefix hit of the request's first num_blocks full blocks (hashed already): the blocks a query
+        after it reads in this pool, the null block for those before its window, or None when one of those it
+        reads is not cached."""
+        first = max(0, num_blocks * self.block_size + 1 - self.sliding_window) // self.block_size
+        blocks = [self.pool.get_cached_block(h) for h in request.block_hashes[first:num_blocks]]
+        if any(b is None for b in blocks):
+            return None
+        return [self.pool.null_block] * first + blocks
+
     def _cache_verified_blocks(self, request: Request, num_verified_tokens: int) -> None:
         rid = request.request_id
         num_full = min(num_verified_tokens, request.num_tokens) // self.block_size
@@ -267,3 +296,73 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+
+
+class HybridKVCacheManager:
+    """Block tables per group of layers, for models that mix full-attention layers with sliding-window ones
+    (Gemma 3): two pools indexed by the same logical block numbers. The full group keeps all of a request's
+    blocks; the window group frees those wholly before the window as the request grows, so its pool needs a
+    window's blocks per running request, not a whole context's. A request's block ids are (full, window)
+    pairs, which the runner splits into one table per group. Prefix caching runs in both pools with the same
+    hash chain: a hit of n blocks needs all n in the full pool and, in the window pool, only those the next
+    query's window reads (the null block stands for the others), so the hit is the longest n for which both
+    hold."""
+
+    def __init__(self, full: KVCacheManager, window: KVCacheManager) -> None:
+        if not window.sliding_window or window.pool.null_block is None or full.sliding_window:
+            raise ValueError("HybridKVCacheManager needs a full-attention manager and a sliding-window manager "
+                             "with a null block")
+        self.full, self.window = full, window
+        self.block_size = full.block_size
+        self.enable_caching = full.enable_caching
+        self.sliding_window = 0  # the full group keeps every block of a request
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        return self.full.stats
+
+    @stats.setter
+    def stats(self, stats: PrefixCacheStats) -> None:
+        self.full.stats = stats
+
+    @property
+    def num_blocks(self) -> int:
+        return self.full.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return max(self.full.usage, self.window.usage)
+
+    def get_block_ids(self, request_id: str) -> list[tuple[int, int]]:
+        return list(zip(self.full.get_block_ids(request_id), self.window.get_block_ids(request_id)))
+
+    def num_request_blocks(self, request_id: str) -> tuple[int, int]:
+        """Blocks the request holds now in each pool: (full, window)."""
+        return self.full.num_request_blocks(request_id), self.window.num_request_blocks(request_id)
+
+    def get_computed_blocks(self, request: Request) -> tuple[tuple[list, list], int]:
+        full_blocks, _ = self.full.get_computed_blocks(request)
+        for n in range(len(full_blocks), 0, -1):
+            window_blocks = self.window.window_hit(request, n)
+            if window_blocks is not None:
+                return (full_blocks[:n], window_blocks), n * self.block_size
+        return ([], []), 0
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks=((), ()),
+                       num_draft_tokens: int = 0, num_lookahead_tokens: int = 0) -> list[tuple[int, int]] | None:
+        full_hit, window_hit = new_computed_blocks or ((), ())
+        if not (self.full.can_allocate(request, num_new_tokens, full_hit, num_lookahead_tokens)
+                and self.window.can_allocate(request, num_new_tokens, window_hit, num_lookahead_tokens)):
+            return None
+        full_ids = self.full.allocate_slots(request, num_new_tokens, full_hit, num_draft_tokens, num_lookahead_tokens)
+        window_ids = self.window.allocate_slots(request, num_new_tokens, window_hit, num_draft_tokens,
+                                                num_lookahead_tokens)
+        return list(zip(full_ids, window_ids))
+
+    def free(self, request: Request) -> None:
+        self.full.free(request)
+        self.window.free(request)
+
+    def reset_prefix_cache(self) -> None:
+        self.full.reset_prefix_cache()
+        self.window.reset_prefix_cache()

@@ -257,7 +257,8 @@ class LlamaForCausalLM:
         self.set_aux_hidden_layers(aux_hidden_layers)
         # The whole stack in one C call (ops/csrc/decoder.c, which also copies out the aux states) when
         # every layer runs on C kernels; tests turn it off to compare the two.
-        self.fused_forward = self._fused_operands() is not None
+        # (not when windowed layers mix with full-attention ones: those keep block tables of their own)
+        self.fused_forward = self._fused_operands() is not None and len({layer.window for layer in self.layers}) <= 1
         self._fused_layers = kernels.TensorKeyed(self._build_layers_c)  # keyed by the KV cache tensors
 
     def set_aux_hidden_layers(self, layers) -> None:

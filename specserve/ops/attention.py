@@ -132,6 +132,13 @@ class AttentionMetadata:
     batched: list[BatchedGroup]  # short queries for SDPA, bucketed by context length
     prefills: list[PrefillChunk]
     kernel: KernelBatch | None = None  # every request, for the C kernel (then `batched`, `prefills` are empty)
+    # window -> the metadata of the layers with that sliding window when they keep their own block tables
+    # (HybridKVCacheManager's window group: other slots and blocks, the same queries)
+    window_groups: dict[int, "AttentionMetadata"] = field(default_factory=dict)
+
+    def for_window(self, window: int) -> "AttentionMetadata":
+        """The metadata a layer with this sliding window (0: none) reads its cache by."""
+        return self.window_groups.get(window, self) if window else self
 
 
 def slot_ids(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -262,6 +269,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """q: [N, H, D]; k, v: [N, Hkv, D] (this step's); returns [N, H * D]. window: 0, or the layer's sliding
     window (each query sees its last `window` tokens, itself included)."""
+    meta = meta.for_window(window)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads * head_dim)

@@ -43,6 +43,8 @@ class CachedRequestState:
     mm_features: list = field(default_factory=list)  # types.MultiModalFeature per image of the prompt
     mrope: MRopePositions | None = None  # M-RoPE positions of a prompt with images (None: the index)
     encoder_outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # image → [length, hidden], until prefilled
+    # the sliding-window layers' own block table (HybridKVCacheManager), None when every layer reads block_ids
+    window_block_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids

@@ -109,16 +109,43 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block of the target's KV plus the drafter's (which follows the same tables); under
-        tensor parallelism the target's part counts this rank's KV heads."""
+        tensor parallelism the target's part counts this rank's KV heads. Windowed layers with their own pool
+        (window_kv_bytes_per_block) are not counted."""
         _, _, num_kv_heads, head_dim = self.model.kv_cache_shape(1, self.block_size)
-        specs = [KVCacheSpec(self.model.config.num_hidden_layers, num_kv_heads, head_dim, self.model.dtype)]
+        layers = self.model.config.num_hidden_layers
+        if self.window_group_windows:
+            layers -= sum(1 for layer in self.model.layers if layer.window)
+        specs = [KVCacheSpec(layers, num_kv_heads, head_dim, self.model.dtype)]
         if self.proposer is not None and self.proposer.needs.kv is not None:
             specs.append(self.proposer.needs.kv)
         return sum(spec.bytes_per_block(self.block_size) for spec in specs)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = kv_caches(self.model.kv_cache_shape(num_blocks, self.block_size), self.model.dtype,
-                                   self.model.num_layers)
+    @property
+    def window_group_windows(self) -> tuple[int, ...]:
+        """The sliding windows of a model that mixes them with full-attention layers (its windowed layers then
+        keep their own block tables: HybridKVCacheManager); () otherwise."""
+        windows = [getattr(layer, "window", 0) for layer in getattr(self.model, "layers", ())]
+        return tuple(sorted({w for w in windows if w})) if any(windows) and not all(windows) else ()
+
+    def window_kv_bytes_per_block(self) -> int:
+        """Bytes of one block of the windowed layers' KV (their own pool), 0 when they have none."""
+        if not self.window_group_windows:
+            return 0
+        _, _, num_kv_heads, head_dim = self.model.kv_cache_shape(1, self.block_size)
+        layers = sum(1 for layer in self.model.layers if layer.window)
+        return KVCacheSpec(layers, num_kv_heads, head_dim, self.model.dtype).bytes_per_block(self.block_size)
+
+    def initialize_kv_cache(self, num_blocks: int, num_window_blocks: int = 0) -> None:
+        """num_window_blocks: the windowed layers' own pool, when window_group_windows (the scheduler then gives
+        (full, window) block id pairs); 0: every layer in one pool, read through one table."""
+        if self.window_group_windows and num_window_blocks:
+            shape = self.model.kv_cache_shape(num_blocks, self.block_size)
+            window_shape = self.model.kv_cache_shape(num_window_blocks, self.block_size)
+            self.kv_caches = [kv_caches(window_shape if layer.window else shape, self.model.dtype, 1)[0]
+                              for layer in self.model.layers]
+        else:
+            self.kv_caches = kv_caches(self.model.kv_cache_shape(num_blocks, self.block_size), self.model.dtype,
+                                       self.model.num_layers)
         if self.proposer is not None and self.proposer.needs.kv is not None:
             self.drafter_kv = DrafterKVCache(self.proposer.needs.kv, num_blocks, self.block_size,
                                              getattr(self.model, "kv_window", 0))
@@ -174,10 +201,11 @@ class ModelRunner:
                 self.undrafted.discard(rid)
                 self.draft_policy.forget(rid)
         for new in sched.scheduled_new_reqs:
+            block_ids, window_block_ids = split_block_groups(new.block_ids)
             state = self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens, getattr(new.sampling_params, "seed", None),
-                mm_features=list(new.mm_features))
+                block_ids, new.num_computed_tokens, getattr(new.sampling_params, "seed", None),
+                mm_features=list(new.mm_features), window_block_ids=window_block_ids)
             if state.mm_features:
                 try:
                     state.mrope = self.model.prompt_positions(len(state.prompt_token_ids), state.mm_features)
@@ -186,17 +214,21 @@ class ModelRunner:
             if new.grammar is not None:
                 self.grammars.start(new.req_id, new.grammar, state.output_token_ids, self._grammar_failed)
             if self.drafter_kv is not None:
-                self.drafter_kv.start(new.req_id, new.block_ids, new.num_computed_tokens)
+                self.drafter_kv.start(new.req_id, block_ids, new.num_computed_tokens)
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            new_ids, new_window_ids = split_block_groups(cached.new_block_ids)
+            state.block_ids.extend(new_ids)
+            if state.window_block_ids is not None and new_window_ids:
+                state.window_block_ids.extend(new_window_ids)
             if self.drafter_kv is not None:
-                self.drafter_kv.allocated(cached.new_block_ids)
+                self.drafter_kv.allocated(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     # ---- inputs -------------------------------------------------------------------------
     def prepare_inputs(self, sched: SchedulerOutput) -> InputBatch:
         ids, positions, slots, image_positions, image_rows, image_embeds = [], [], [], [], [], []
+        window_slots, window_tables = [], []
         query_lens, context_lens, tables, sample_ids, sample_drafts, sample_ends = [], [], [], [], [], []
         starts = [0]
         for rid in sched.req_ids:
@@ -214,6 +246,9 @@ class ModelRunner:
                     image_rows.extend(rows)
                     image_embeds.append(embeds)
             slots.extend(slot_ids(state.block_ids, start, start + n, self.block_size))
+            if state.window_block_ids is not None:
+                window_slots.extend(slot_ids(state.window_block_ids, start, start + n, self.block_size))
+                window_tables.append(state.window_block_ids)
             if start + n >= len(state.token_ids):
                 sample_ids.append(rid)
                 sample_drafts.append(drafts)
@@ -224,6 +259,10 @@ class ModelRunner:
             starts.append(starts[-1] + n)
         attn = build_attention_metadata(query_lens, context_lens, tables, self.block_size,
                                         torch.tensor(slots, dtype=torch.long), self.attention_kernel)
+        if window_tables:  # the sliding-window layers' own tables
+            window_attn = build_attention_metadata(query_lens, context_lens, window_tables, self.block_size,
+                                                   torch.tensor(window_slots, dtype=torch.long), self.attention_kernel)
+            attn.window_groups.update(dict.fromkeys(self.window_group_windows, window_attn))
         spec = build_spec_decode_metadata(sample_drafts, sample_ends) if any(sample_drafts) else None
         return InputBatch(
             req_ids=list(sched.req_ids),
@@ -485,6 +524,14 @@ class ModelRunner:
         if needs.reads_target_kv:
             inputs.target_kv_caches = self.kv_caches
         return inputs
+
+
+def split_block_groups(ids) -> tuple[list[int], list[int] | None]:
+    """A request's block ids from the scheduler as (the table of every layer, or of the full-attention ones;
+    the windowed layers' own table or None): HybridKVCacheManager gives (full, window) pairs."""
+    if ids and isinstance(ids[0], tuple):
+        return [full for full, _ in ids], [window for _, window in ids]
+    return list(ids), None
 
 
 def _q_of(awaiting: tuple[list[int], torch.Tensor] | None, drafts: list[int]) -> torch.Tensor | None:

@@ -399,3 +399,90 @@ def test_a_drafter_reading_every_tokens_state_recomputes_the_last_hit_block(reco
     second = make_request("b", list(range(12)) + [99, 98])  # the same three blocks, then other tokens
     blocks, num_hit = kv.get_computed_blocks(second)
     assert num_hit == (8 if recompute_last else 12) and len(blocks) == num_hit // BS
+
+
+# ---------------------------------------------------------------- sliding windows
+
+
+def decode(kv, request: Request, steps: int) -> None:
+    """Append one token at a time, as the scheduler does for a decoding request."""
+    for _ in range(steps):
+        request.append_output_token(7)
+        assert kv.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+
+
+def test_window_blocks_are_freed_once_no_query_reads_them():
+    """Window 6, blocks of 4: the query at position p reads p - 5 ..= p, so block b goes once p - 5 >= 4b + 4."""
+    kv = KVCacheManager(16, BS, enable_caching=False, sliding_window=6)
+    r = make_request("r", list(range(1, 11)))  # 10 tokens
+    admit(kv, r)
+    assert kv.num_request_blocks("r") == 3  # the prefill's first query (position 0) reads from block 0
+    decode(kv, r, 1)  # the query at position 10 reads 5..10: block 0 (0..3) goes
+    assert kv.num_request_blocks("r") == 2 and kv.pool.num_free_blocks == 16 - 2
+    decode(kv, r, 20)
+    assert kv.num_request_blocks("r") <= -(-6 // BS) + 1
+    assert len(kv.get_block_ids("r")) == -(-r.num_tokens // BS)  # the table keeps its (stale) ids
+    kv.free(r)
+    assert kv.pool.num_free_blocks == 16
+    check_pool_consistent(kv)
+
+
+def _hybrid(num_full: int, num_window: int, window: int, caching: bool = True):
+    from specserve.engine.kv_cache_manager import HybridKVCacheManager
+
+    return HybridKVCacheManager(KVCacheManager(num_full, BS, caching),
+                                KVCacheManager(num_window, BS, caching, sliding_window=window, null_block=True))
+
+
+def test_hybrid_manager_keeps_full_blocks_and_frees_window_blocks():
+    kv = _hybrid(32, 8, window=6)
+    r = make_request("r", list(range(1, 11)))
+    ids = admit(kv, r)
+    assert len(ids) == 3 and all(isinstance(pair, tuple) for pair in ids)
+    assert 0 not in [w for _, w in ids]  # the window pool's null block is never handed out
+    decode(kv, r, 30)
+    full, window = kv.num_request_blocks("r")
+    assert full == -(-r.num_tokens // BS) and window <= -(-6 // BS) + 1
+    assert kv.window.pool.num_free_blocks == 7 - window
+    kv.free(r)
+    assert kv.full.pool.num_free_blocks == 32 and kv.window.pool.num_free_blocks == 7
+    check_pool_consistent(kv.full)
+
+
+def test_hybrid_prefix_hit_needs_only_the_windows_blocks():
+    """A second request with the first's 16-token prefix hits all four blocks: the full pool has them, and the
+    window pool the ones the next query reads (block 3, from position 11 on); blocks 0-2, which the first
+    request freed from the window pool, are the null block."""
+    kv = _hybrid(32, 8, window=5)
+    prefix = list(range(1, 17))
+    a = make_request("a", prefix + [50])
+    admit(kv, a)
+    decode(kv, a, 12)  # a's window moves on: its first window blocks are freed (cached, not yet reused)
+    b = make_request("b", prefix + [60, 61])
+    (full_hit, window_hit), num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 16 and len(full_hit) == len(window_hit) == 4
+    assert window_hit[:3] == [kv.window.pool.null_block] * 3 and window_hit[3] is not kv.window.pool.null_block
+    assert kv.allocate_slots(b, b.num_tokens - num_hit, (full_hit, window_hit)) is not None
+    kv.free(a)
+    kv.free(b)
+    assert kv.window.pool.num_free_blocks == 7 and kv.window.pool.null_block.ref_cnt == 0
+    check_pool_consistent(kv.full)
+
+
+def test_hybrid_prefix_hit_stops_where_the_window_pool_lost_a_block():
+    kv = _hybrid(32, 8, window=5)
+    prefix = list(range(1, 17))
+    admit(kv, make_request("a", prefix + [50]))
+    kv.window.pool.reset_prefix_cache()  # the window pool forgets every block: no hit can be read there
+    b = make_request("b", prefix + [60])
+    (full_hit, window_hit), num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 0 and full_hit == window_hit == []
+
+
+def test_hybrid_allocation_fails_whole_when_either_pool_is_full():
+    kv = _hybrid(32, 3, window=6)  # 2 usable window blocks
+    r = make_request("r", list(range(1, 14)))  # 13 tokens: 4 blocks in each pool
+    assert kv.allocate_slots(r, 13) is None
+    assert kv.full.pool.num_free_blocks == 32 and kv.window.pool.num_free_blocks == 2
+    assert kv.allocate_slots(r, 8) is not None  # 2 blocks each

@@ -124,3 +124,53 @@ def test_windowed_blocks_are_freed_as_a_request_grows(tmp_path, monkeypatch):
     assert max(blocks for computed, blocks in held if computed > 30) <= -(-WINDOW // 4) + 3 + 2, held
     kv = llm.llm_engine.kv_cache_manager
     assert kv.pool.num_free_blocks == kv.num_blocks  # everything back once the request finished
+
+
+@pytest.mark.parametrize("poison", ["on_free", "on_allocate"])
+def test_gemma3_window_layers_keep_only_their_window(tmp_path, monkeypatch, poison):
+    """Gemma 3 (local layers and a global one): the local layers' own pool holds a request's window and one
+    step's blocks whatever its length, while the global layer keeps every block. Blocks that pool frees are
+    filled with NaN as they are freed (without prefix caching, which would keep them), or as they are handed
+    out again (with it); the output is still transformers'. With prefix caching, a second request extending the
+    first's sequence near its end hits in both pools (the window pool's last blocks stay cached until reused) and gives
+    transformers' tokens too."""
+    from specserve.engine.kv_cache_manager import HybridKVCacheManager
+
+    hf = tiny_hf_model(**TARGETS["gemma3"])
+    folder = save_hf_folder(hf, tmp_path / "g")
+    llm = LLM(model=folder, **dict(ENGINE, max_model_len=256, enable_prefix_caching=poison == "on_allocate"),
+              speculative_config={"method": "suffix"})
+    runner, kv = llm.llm_engine.runner, llm.llm_engine.kv_cache_manager
+    assert isinstance(kv, HybridKVCacheManager)
+    windowed = [pair for pair, layer in zip(runner.kv_caches, runner.model.layers) if layer.window]
+    assert windowed and all(k.shape[0] == kv.window.num_blocks < kv.full.num_blocks for k, _ in windowed)
+    held = []
+
+    def fill_nan(blocks):
+        ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long)
+        for k_cache, v_cache in windowed:
+            k_cache[ids] = float("nan")
+            v_cache[ids] = float("nan")
+        held.extend(kv.window.num_request_blocks(rid) for rid in kv.window.req_blocks)
+
+    pool = kv.window.pool
+    if poison == "on_free":
+        free = pool.free
+        monkeypatch.setattr(pool, "free", lambda blocks: (free(blocks), fill_nan(
+            [b for b in blocks if b.ref_cnt == 0 and b is not pool.null_block])))
+    else:
+        allocate = pool.allocate
+        monkeypatch.setattr(pool, "allocate", lambda n: (lambda blocks: (fill_nan(blocks), blocks)[1])(allocate(n)))
+    prompt = torch.randint(3, 24, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    want = hf_greedy(hf, prompt, 150)
+    assert llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert -(-(30 + 150) // 4) > kv.window.num_blocks - 1  # more logical blocks than the pool: reused ones
+    step = ENGINE["max_num_batched_tokens"]
+    assert max(held) <= -(-(WINDOW + step) // 4) + 1, held
+    assert max(held[-20:]) <= -(-WINDOW // 4) + 3, held  # once decoding, about a window's worth
+    if poison == "on_allocate":
+        again = llm.generate([{"prompt_token_ids": prompt + want[:140]}], SamplingParams(
+            temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+        assert again.outputs[0].token_ids == want[140:150]
+        assert again.num_cached_tokens >= 160

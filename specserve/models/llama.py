@@ -258,7 +258,7 @@ class LlamaForCausalLM:
         # The whole stack in one C call (ops/csrc/decoder.c, which also copies out the aux states) when
         # every layer runs on C kernels; tests turn it off to compare the two.
         # (not when windowed layers mix with full-attention ones: those keep block tables of their own)
-        self.fused_forward = self._fused_operands() is not None and len({layer.window for layer in self.layers}) <= 1
+        self.fused_forward = self._fused_operands() is not None and not self.mixed_windows
         self._fused_layers = kernels.TensorKeyed(self._build_layers_c)  # keyed by the KV cache tensors
 
     def set_aux_hidden_layers(self, layers) -> None:
@@ -304,6 +304,13 @@ class LlamaForCausalLM:
         block tables keep within it."""
         windows = [layer.window for layer in self.layers]
         return max(windows) if windows and all(windows) else 0
+
+    @property
+    def mixed_windows(self) -> tuple[int, ...]:
+        """The sliding windows of a model that mixes them with full-attention layers, whose windowed layers
+        then keep block tables of their own (HybridKVCacheManager); () otherwise."""
+        windows = [layer.window for layer in self.layers]
+        return tuple(sorted({w for w in windows if w})) if any(windows) and not all(windows) else ()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.layer_config.num_key_value_heads, self.config.head_dim)

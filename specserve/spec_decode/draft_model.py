@@ -48,7 +48,7 @@ class DraftModelProposer:
         # A self-draft (the target's own weights, perhaps quantized) works in the target's KV cache: no prefill
         # of its own, and one token per catch-up.
         # (not when the target's windowed layers keep tables of their own, which the drafter is not given)
-        self.shares_target_kv = _is_self_draft(self.model, target.model) and not _mixes_windows(target.model)
+        self.shares_target_kv = _is_self_draft(self.model, target.model) and not getattr(target.model, "mixed_windows", ())
         cfg = self.model.config
         own_kv = KVCacheSpec(self.model.num_layers, cfg.num_key_value_heads, cfg.head_dim, self.model.dtype)
         self.needs = DrafterNeeds(kv=None if self.shares_target_kv else own_kv,
@@ -124,12 +124,6 @@ class _TargetKV:
 
     def metadata(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]]):
         return paged_metadata(query_lens, context_lens, block_tables, self.block_size, self.use_kernel)
-
-
-def _mixes_windows(model) -> bool:
-    """Whether the model mixes sliding-window layers with full-attention ones."""
-    windows = [getattr(layer, "window", 0) for layer in getattr(model, "layers", ())]
-    return any(windows) and not all(windows)
 
 
 def _is_self_draft(draft, target) -> bool:

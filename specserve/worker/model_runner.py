@@ -122,10 +122,8 @@ class ModelRunner:
 
     @property
     def window_group_windows(self) -> tuple[int, ...]:
-        """The sliding windows of a model that mixes them with full-attention layers (its windowed layers then
-        keep their own block tables: HybridKVCacheManager); () otherwise."""
-        windows = [getattr(layer, "window", 0) for layer in getattr(self.model, "layers", ())]
-        return tuple(sorted({w for w in windows if w})) if any(windows) and not all(windows) else ()
+        """The target's mixed_windows: the windows of its layers that keep block tables of their own."""
+        return getattr(self.model, "mixed_windows", ())
 
     def window_kv_bytes_per_block(self) -> int:
         """Bytes of one block of the windowed layers' KV (their own pool), 0 when they have none."""

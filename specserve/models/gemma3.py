@@ -19,6 +19,34 @@ from specserve.ops.attention import AttentionMetadata, paged_attention
 
 GEMMA3_MODEL_TYPES = ("gemma3_text",)
 _SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
+# Where the multimodal checkpoints (model_type "gemma3": Gemma 3 4B and up) keep the text decoder: the Hub's
+# files, and transformers 5's in-memory names
+_TEXT_DECODER_PREFIXES = ("language_model.model.", "model.language_model.")
+_TEXT_LM_HEAD_PREFIXES = ("language_model.lm_head.", "lm_head.")
+
+
+def text_decoder_config(cfg: dict) -> dict:
+    """The text decoder's config.json fields of a multimodal Gemma 3 checkpoint (`text_config`, as
+    gemma3_text), with the top level's token ids and embedding tying where the text config leaves them out."""
+    out = dict(cfg.get("text_config") or {}, model_type="gemma3_text")
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if out.get(key) is None and cfg.get(key) is not None:
+            out[key] = cfg[key]
+    return out
+
+
+def text_decoder_weights(state_dict: dict) -> dict:
+    """A multimodal Gemma 3 checkpoint's text decoder weights under gemma3_text's names; the vision tower and
+    the projector are left out (images are not read)."""
+    out = {}
+    for name, tensor in state_dict.items():
+        for prefix in _TEXT_DECODER_PREFIXES:
+            if name.startswith(prefix):
+                out["model." + name[len(prefix):]] = tensor
+        for prefix in _TEXT_LM_HEAD_PREFIXES:
+            if name.startswith(prefix):
+                out["lm_head." + name[len(prefix):]] = tensor
+    return out
 
 
 def gemma_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float, c_ops: bool = False) -> torch.Tensor:

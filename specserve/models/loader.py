@@ -91,6 +91,10 @@ def load_hf_folder(folder: str, dtype: torch.dtype) -> tuple[dict, dict[str, tor
     for file in safetensors_files(folder):
         state_dict.update(read_safetensors(file, dtype))
     vision_config, vision_weights = None, {}
+    if raw.get("model_type") == "gemma3":  # Gemma 3 4B and up: the text decoder of the multimodal checkpoint
+        from specserve.models.gemma3 import text_decoder_config, text_decoder_weights
+
+        raw, state_dict = text_decoder_config(raw), text_decoder_weights(state_dict)
     if raw.get("model_type") in _MROPE_MODEL_TYPES:
         # Vision-language checkpoints: the text decoder (flat config, llama-style names) is checked like any
         # decoder; the vision tower's config and weights ride along as they are.

@@ -69,3 +69,39 @@ def test_gemma3_refuses_what_it_does_not_implement():
     for key, value in (("final_logit_softcapping", 30.0), ("hidden_activation", "relu")):
         with pytest.raises(ValueError, match=key):
             build_model({**hf_config_dict(hf), key: value}, hf_state_dict(hf), dtype=torch.float32)
+
+
+def test_multimodal_gemma3_checkpoint_serves_its_text_decoder(tmp_path):
+    """A Gemma 3 4B-style folder (model_type "gemma3": text_config, vision tower, `language_model.` names): its
+    text decoder loads and generates transformers' greedy tokens for text prompts."""
+    import os
+
+    import tokenizers
+    import transformers
+    from tokenizers.models import WordLevel
+
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+    from tests.tiny_models import perturb_norms_and_biases
+
+    torch.manual_seed(5)
+    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32, vocab_size=300, sliding_window=6, max_position_embeddings=256, query_pre_attn_scalar=24,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    hf = perturb_norms_and_biases(transformers.Gemma3ForConditionalGeneration(config).eval())
+    hf.save_pretrained(str(tmp_path))
+    vocab = {f"t{i}": i for i in range(300)}
+    tokenizers.Tokenizer(WordLevel(vocab, unk_token="t0")).save(os.path.join(tmp_path, "tokenizer.json"))
+    prompt = torch.randint(3, 290, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    llm = LLM(model=str(tmp_path), max_model_len=128, max_num_batched_tokens=8, block_size=4)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ids[20:]

@@ -64,6 +64,8 @@ def main() -> None:
     p.add_argument("--moe-intermediate", type=int, default=256)
     p.add_argument("--weights", default="fp32", choices=["fp32", "q4_0", "q8_0"])
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--python-loop", action="store_true",
+                   help="run the experts as a Python loop of GEMM calls instead of one C call (kernels.moe_experts)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args()
 
@@ -72,6 +74,8 @@ def main() -> None:
                     norm_topk_prob=True)
     weights = random_weights(moe, args.hidden, args.weights, g)
     mlp = MoEMLP(moe, weights, "", lambda w, b=None: make_linear(w, b), kernels.kernel_usable(torch.float32))
+    if args.python_loop:
+        mlp._c_experts = None
     active = args.top_k * args.moe_intermediate
     dense_gate_up = make_linear(random_weight(2 * active, args.hidden, args.weights, g))
     dense_down = make_linear(random_weight(args.hidden, active, args.weights, g))

@@ -142,6 +142,14 @@ class MoEMLP:
             self.shared = (make(cat_rows([gate, up])), make(down))
             self.shared_gate = _dense(weights[_SHARED_EXPERT_GATE.format(p=prefix)]).reshape(1, -1)  # [1, H]
         self.c_ops = c_ops
+        self.inter = moe.intermediate_size
+        # Every expert's C operands, for the one-call path (kernels.moe_experts), when each expert is on the C GEMM
+        operands = [(gate_up.c_operands(), down.c_operands()) for gate_up, down in self.experts] if c_ops else []
+        self._c_experts = None
+        if operands and all(a is not None and b is not None for a, b in operands):
+            linears = kernels.LinearC * self.num_experts
+            self._c_experts = (linears(*(kernels.linear_c(a) for a, _ in operands)),
+                               linears(*(kernels.linear_c(b) for _, b in operands)))
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [N, H] -> (weights [N, k] in h's dtype, experts [N, k] int64)."""
@@ -154,10 +162,15 @@ class MoEMLP:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h: [N, H] (the post-attention norm's output) -> [N, H]."""
         top, experts = self.route(h)
-        out = torch.zeros_like(h)
-        for e, rows, weight in _grouped_by_expert(top, experts, self.num_experts):
-            gate_up, down = self.experts[e]
-            out.index_add_(0, rows, down(self._silu_mul(gate_up(h[rows]))) * weight[:, None])
+        used, offsets, rows, weights = _grouped_by_expert(top, experts, self.num_experts)
+        if self._c_experts is not None and h.dtype == torch.float32:  # the same kernels in one C call
+            out = kernels.moe_experts(h.contiguous(), *self._c_experts, self.inter, used, offsets, rows, weights)
+        else:
+            out = torch.zeros_like(h)
+            for i, e in enumerate(used.tolist()):
+                gate_up, down = self.experts[e]
+                group, weight = rows[offsets[i]:offsets[i + 1]], weights[offsets[i]:offsets[i + 1]]
+                out.index_add_(0, group, down(self._silu_mul(gate_up(h[group]))) * weight[:, None])
         if self.shared is not None:
             gate_up, down = self.shared
             out = out + torch.sigmoid(F.linear(h, self.shared_gate)) * down(self._silu_mul(gate_up(h)))
@@ -184,12 +197,13 @@ class MoEMLP:
 
 
 def _grouped_by_expert(top: torch.Tensor, experts: torch.Tensor, num_experts: int):
-    """top, experts: [N, k] -> per expert some row picked, ascending: (expert, rows [M] int64, weights [M])."""
+    """top, experts: [N, k] -> the experts some row picked, ascending (used [U] int64), and for used expert i its
+    rows rows[offsets[i]:offsets[i + 1]] (ascending) with their routing weights: (used, offsets [U + 1], rows [N k],
+    weights [N k])."""
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # rows ascending within each expert
-    rows, weights = order // experts.shape[1], top.reshape(-1)[order]
-    start = 0
-    for e, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
-        if count:
-            yield e, rows[start:start + count], weights[start:start + count]
-            start += count
+    counts = torch.bincount(flat, minlength=num_experts)
+    used = counts.nonzero().squeeze(1)
+    offsets = torch.zeros(len(used) + 1, dtype=torch.long)
+    offsets[1:] = counts[used].cumsum(0)
+    return used, offsets, order // experts.shape[1], top.reshape(-1)[order].contiguous()

@@ -136,6 +136,7 @@ def _bind(lib):
         "q4_i8_amx_check_in_child": ([i64], ctypes.c_int),
         "probe_read": ([ptr, i64], ctypes.c_uint64),
         "probe_dot_products": ([i64], i64),
+        "moe_experts_f32": ([ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr], ctypes.c_int),
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
                                  i64, i64, i64, i64, f32, f32, ptr, i64, ptr], ctypes.c_int),
     }
@@ -416,6 +417,21 @@ def linear_c(operands: tuple) -> LinearC:
     """A LinearC from FastLinear.c_operands(): (packed weight, scales or None, bias or None, (format, group))."""
     weight, scale, bias, (fmt, group) = operands
     return LinearC(weight.data_ptr(), _ptr(scale), _ptr(bias), fmt, group)
+
+
+def moe_experts(h: torch.Tensor, gate_up, down, inter: int, used: torch.Tensor, offsets: torch.Tensor,
+                rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """A mixture-of-experts MLP's routed experts in one C call (csrc/decoder.c's moe_experts_f32): h [N, hidden];
+    gate_up, down: ctypes arrays of LinearC, one per expert (the caller keeps their tensors alive); used [U] int64
+    expert ids ascending, offsets [U + 1] int64 into rows [T] int64 and weights [T] fp32 (each used expert's rows
+    and routing weights). Returns [N, hidden]: the sum over experts of weight times the expert's output."""
+    _check(h=h, weights=weights)
+    _check(torch.int64, used=used, offsets=offsets, rows=rows)
+    out = torch.zeros_like(h)
+    if _lib().moe_experts_f32(h.data_ptr(), out.data_ptr(), h.shape[1], inter, gate_up, down, used.data_ptr(),
+                              len(used), offsets.data_ptr(), rows.data_ptr(), weights.data_ptr()):
+        raise MemoryError("moe_experts: out of memory for its work buffer")
+    return out
 
 
 def decoder_forward(layers, x: torch.Tensor, final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -16,6 +16,7 @@ from specserve.ops import kernels
 from tests.kernel_support import require_c_kernels
 from tests.models.test_gguf_loader import llama_cpp_permute
 from tests.paged_harness import max_logit_errors
+from tests.kernel_support import requires_c_kernels
 from tests.tiny_models import hf_config_dict, hf_state_dict, save_hf_folder, tiny_hf_model
 
 Q = gguf.GGMLQuantizationType
@@ -105,6 +106,7 @@ def test_rows_are_grouped_by_expert():
     hf = tiny_hf_model("mixtral", num_local_experts=8)
     model = build_model(hf_config_dict(hf), hf_state_dict(hf), dtype=torch.float32)
     moe = model.layers[0].moe
+    moe._c_experts = None  # the Python loop, whose calls can be counted (the C call is checked against it below)
     calls: dict[int, list[int]] = {}
 
     def counting(e, linear):
@@ -120,6 +122,39 @@ def test_rows_are_grouped_by_expert():
         _, experts = moe.route(h)
         moe(h)
         assert calls == {e: [int((experts == e).sum())] for e in experts.unique().tolist()}
+
+
+@requires_c_kernels
+@pytest.mark.parametrize("weights", ["fp32", "Q4_0", "Q4_0 x int8", "Q8_0"])
+def test_one_c_call_over_the_experts_is_bitwise_the_python_loop(weights):
+    """kernels.moe_experts runs every used expert's GEMMs in one call: the same bits as the loop of FastLinear
+    calls and index_add_, for 1 to 17 rows, on fp32 weights and on GGUF blocks (with fp32 or int8 activations)."""
+    from benchmarks.moe_rows import random_weight
+    from specserve.models.gguf_quant import QuantizedWeight
+    from specserve.models.llama import make_linear
+    from specserve.models.moe import MoEConfig, MoEMLP
+
+    cfg = MoEConfig(num_experts=16, top_k=4, intermediate_size=64, norm_topk_prob=True)
+    g = torch.Generator().manual_seed(3)
+    qtype = weights.split()[0]
+
+    def weight(rows, cols):
+        w = random_weight(rows, cols, qtype, g)
+        return w.for_int8_activations(2) if weights.endswith("int8") and isinstance(w, QuantizedWeight) else w
+
+    state = {"p.mlp.gate.weight": torch.randn(16, 128, generator=g)}
+    for e in range(16):
+        for name, shape in (("gate_proj", (64, 128)), ("up_proj", (64, 128)), ("down_proj", (128, 64))):
+            state[f"p.mlp.experts.{e}.{name}.weight"] = weight(*shape)
+    moe = MoEMLP(cfg, state, "p.", make_linear, c_ops=True)
+    assert moe._c_experts is not None
+    for rows in (1, 2, 5, 9, 17):
+        h = torch.randn(rows, 128, generator=g)
+        one_call = moe(h)
+        c_experts, moe._c_experts = moe._c_experts, None
+        loop = moe(h)
+        moe._c_experts = c_experts
+        assert torch.equal(one_call, loop), (weights, rows)
 
 
 def test_hf_folders_in_hub_names_load_and_generate_like_transformers(tmp_path):

@@ -118,3 +118,37 @@ int decoder_forward_f32(const layer_t *layers, int64_t num_layers, float *x, flo
     free(buf);
     return failed;
 }
+
+/* A mixture-of-experts MLP's routed experts over a step's rows, in one call: for each used expert e (ascending
+ * ids in `used`), its rows rows[offsets[i] ..) of h [N, hidden] are gathered, run through gate_up, SiLU-and-mul
+ * and down (the same kernels, on the same inputs, as specserve/models/moe.py's Python loop), and each output row
+ * times its routing weight is added to out [N, hidden] (zeroed by the caller): the product rounded first, then
+ * the sum, expert by expert, as torch's index_add_ of the weighted outputs. gate_up, down: every expert's
+ * linear_t, indexed by expert id. Returns 0, or 1 when a buffer could not be allocated. */
+__attribute__((optimize("fp-contract=off"))) int moe_experts_f32(
+        const float *h, float *out, int64_t hidden, int64_t inter, const linear_t *gate_up, const linear_t *down,
+        const int64_t *used, int64_t num_used, const int64_t *offsets, const int64_t *rows, const float *weights) {
+    int64_t most = 0;
+    for (int64_t i = 0; i < num_used; i++)
+        if (offsets[i + 1] - offsets[i] > most) most = offsets[i + 1] - offsets[i];
+    float *buf = malloc(sizeof(float) * (most * (2 * hidden + 3 * inter) + 1));
+    if (!buf) return 1;
+    float *x = buf, *gu = x + most * hidden, *act = gu + most * 2 * inter, *y = act + most * inter;
+    for (int64_t i = 0; i < num_used; i++) {
+        const int64_t e = used[i], first = offsets[i], m = offsets[i + 1] - first;
+        for (int64_t j = 0; j < m; j++) memcpy(x + j * hidden, h + rows[first + j] * hidden, sizeof(float) * hidden);
+        linear(&gate_up[e], x, gu, m, hidden, 2 * inter);
+        silu_mul_f32(gu, act, m, inter);
+        linear(&down[e], act, y, m, inter, hidden);
+        for (int64_t j = 0; j < m; j++) {
+            float *o = out + rows[first + j] * hidden;
+            const float *yj = y + j * hidden, w = weights[first + j];
+            for (int64_t d = 0; d < hidden; d++) {
+                const float p = yj[d] * w;
+                o[d] += p;
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from specserve.models.gguf_quant import cat_rows
 from specserve.models.llama import DecoderConfig, LlamaForCausalLM, linear_bytes, make_linear, sliding_windows
-from specserve.models.rope import RotaryEmbedding, apply_rotary, inverse_frequencies
+from specserve.models.rope import RotaryEmbedding, apply_rotary
 from specserve.ops import kernels
 from specserve.ops.attention import AttentionMetadata, paged_attention
 
@@ -160,15 +160,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.exact_argmax = getattr(self.lm_head, "enable_exact_argmax", lambda: False)()
         self.rotaries = {kind: RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta, scaling, dtype)
                          for kind, (theta, scaling) in rope_settings(hf_config).items()}
-        for theta, scaling in rope_settings(hf_config).values():
-            inverse_frequencies(cfg.head_dim, theta, scaling)  # an unsupported scaling fails here, named
         self.rotary = self.rotaries["full_attention"]
         self.aux_hidden_layers = ()
         self.set_aux_hidden_layers(aux_hidden_layers)
         self.fused_forward = False
-
-    def _fused_operands(self):
-        return None
 
     def linear_weight_bytes(self) -> tuple[int, int]:
         sizes = [linear_bytes(linear) for layer in self.layers

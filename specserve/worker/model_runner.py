@@ -111,27 +111,25 @@ class ModelRunner:
         """Bytes of one block of the target's KV plus the drafter's (which follows the same tables); under
         tensor parallelism the target's part counts this rank's KV heads. Windowed layers with their own pool
         (window_kv_bytes_per_block) are not counted."""
-        _, _, num_kv_heads, head_dim = self.model.kv_cache_shape(1, self.block_size)
-        layers = self.model.config.num_hidden_layers
-        if self.window_group_windows:
-            layers -= sum(1 for layer in self.model.layers if layer.window)
-        specs = [KVCacheSpec(layers, num_kv_heads, head_dim, self.model.dtype)]
-        if self.proposer is not None and self.proposer.needs.kv is not None:
-            specs.append(self.proposer.needs.kv)
-        return sum(spec.bytes_per_block(self.block_size) for spec in specs)
+        target = self._target_kv_bytes(self.model.config.num_hidden_layers - self._num_window_pool_layers())
+        drafter = self.proposer.needs.kv if self.proposer is not None else None
+        return target + (drafter.bytes_per_block(self.block_size) if drafter is not None else 0)
+
+    def window_kv_bytes_per_block(self) -> int:
+        """Bytes of one block of the windowed layers' KV (their own pool), 0 when they have none."""
+        return self._target_kv_bytes(self._num_window_pool_layers())
 
     @property
     def window_group_windows(self) -> tuple[int, ...]:
         """The target's mixed_windows: the windows of its layers that keep block tables of their own."""
         return getattr(self.model, "mixed_windows", ())
 
-    def window_kv_bytes_per_block(self) -> int:
-        """Bytes of one block of the windowed layers' KV (their own pool), 0 when they have none."""
-        if not self.window_group_windows:
-            return 0
+    def _num_window_pool_layers(self) -> int:
+        return sum(1 for layer in self.model.layers if layer.window) if self.window_group_windows else 0
+
+    def _target_kv_bytes(self, num_layers: int) -> int:
         _, _, num_kv_heads, head_dim = self.model.kv_cache_shape(1, self.block_size)
-        layers = sum(1 for layer in self.model.layers if layer.window)
-        return KVCacheSpec(layers, num_kv_heads, head_dim, self.model.dtype).bytes_per_block(self.block_size)
+        return KVCacheSpec(num_layers, num_kv_heads, head_dim, self.model.dtype).bytes_per_block(self.block_size)
 
     def initialize_kv_cache(self, num_blocks: int, num_window_blocks: int = 0) -> None:
         """num_window_blocks: the windowed layers' own pool, when window_group_windows (the scheduler then gives

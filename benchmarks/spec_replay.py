@@ -12,7 +12,9 @@ weights on an Intel Xeon, ~0.18 on 4-bit GGUF blocks on an AMD EPYC). Plain deco
     .venv/bin/python benchmarks/spec_replay.py --prompts-per-category 6 --cost 0.18 --cost 0.035
 
 It also prints a hindsight bound per method: every step drafts exactly the tokens that would be accepted
-from the drafts the proposer offers at full length (never a rejected draft), at the same cost. With
+from the drafts the proposer offers at full length (never a rejected draft), at the same cost. A method
+written METHOD+tree drafts trees (draft_tree "auto"): a step accepts the longest path of the tree that
+matches the output and is charged cost(number of nodes), each tree sized by the same cost curve. With
 --noise the policy is also fed each step's time as a shared host reports it (spread, and now and then a
 slowed step), as the engine's live timings are, while the charged cost stays the given curve.
 """
@@ -32,6 +34,7 @@ from specserve.spec_decode.policy import DraftOption, DraftPolicy
 from specserve.spec_decode.proposer import DraftInputs, make_proposer
 
 METHODS = ("ngram", "suffix", "auto")
+TREE = "+tree"
 STEP_SECONDS = 0.0035  # a one-token step's time under --noise (only ratios matter)
 SPIKE_RATE = 0.05  # under --noise, the share of steps slowed 1.3-2.5x by other work on the host
 MAX_MODEL_LEN = 8192
@@ -57,18 +60,34 @@ def accepted_prefix(tokens: list[int], pos: int, draft: list[int]) -> int:
     return n
 
 
+def accepted_path(tokens: list[int], pos: int, tree) -> list[int]:
+    """The nodes of `tree` (spec_decode/tree.py) that greedy verification accepts when the output goes on
+    with tokens[pos:]."""
+    path, node = [], -1
+    while pos + len(path) < len(tokens):
+        child = tree.children[node].get(tokens[pos + len(path)])
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    return path
+
+
 class Replay:
     """One method's proposer and policy over a sequence of requests, as the runner drives them at batch 1."""
 
     def __init__(self, method: str, cost: list[float], oracle: bool = False, overrides: dict | None = None,
                  noise: float = 0.0, call_cost: float = 0.0) -> None:
+        self.trees = method.endswith(TREE)
+        method = method.removesuffix(TREE)
         config = SpeculativeConfig.from_dict({"method": method, **({"drafter": "none"} if method == "auto" else {}),
-                                              **(overrides or {})})
+                                              **({"draft_tree": "auto"} if self.trees else {}), **(overrides or {})})
         self.proposer = make_proposer(config, None)
         options = self.proposer.needs.options or (DraftOption(method, config.num_speculative_tokens),)
         self.max_k = max(o.max_drafts for o in options)
+        self.max_nodes = config.draft_tree_max_nodes if self.trees else 0
         self.curve = [1.0] + [cost[min(k, len(cost)) - 1] if len(cost) > 1 else 1.0 + cost[0] * k
-                              for k in range(1, self.max_k + 1)]
+                              for k in range(1, max(self.max_k, self.max_nodes) + 1)]
         self.policy = DraftPolicy(options)
         self.policy.seed_step_costs({1 + k: STEP_SECONDS * c for k, c in enumerate(self.curve)}, {})  # calibrated
         self.oracle = oracle
@@ -93,14 +112,21 @@ class Replay:
             room = len(tokens) - pos - 1  # drafts past the last token would never be verified
             plan = self.policy.plan(rid, min(self.max_k, room)) if not self.oracle else [
                 (i, min(o.max_drafts, room)) for i, o in enumerate(self.policy.options)]
-            draft, source = [], 0
+            draft, source, tree = [], 0, None
             if any(k for _, k in plan):
-                draft, source = self._propose(rid, tokens[:pos], len(prompt), plan)
-            accepted = accepted_prefix(tokens, pos, draft)
-            if self.oracle:
-                draft = draft[:accepted]
+                draft, source, tree = self._propose(rid, tokens[:pos], len(prompt), plan)
+            if tree is not None:
+                path = accepted_path(tokens, pos, tree)
+                accepted = len(path)
+                if self.oracle:  # the accepted path alone, as a chain
+                    draft = [tree.tokens[v] for v in path]
+            else:
+                accepted = accepted_prefix(tokens, pos, draft)
+                if self.oracle:
+                    draft = draft[:accepted]
             if draft:
-                self.policy.record(rid, len(draft), accepted, source)
+                self.policy.record(rid, tree.depth if tree is not None and not self.oracle else len(draft),
+                                   accepted, source)
             steps += self.curve[len(draft)]
             pos += accepted + 1
             if self.noise:  # the policy sees the step's time as a shared host would report it
@@ -114,18 +140,20 @@ class Replay:
         factor = self.rng.lognormvariate(0.0, self.noise)
         return factor * self.rng.uniform(1.3, 2.5) if self.rng.random() < SPIKE_RATE else factor
 
-    def _propose(self, rid: str, history: list[int], num_prompt: int, plan) -> tuple[list[int], int]:
+    def _propose(self, rid: str, history: list[int], num_prompt: int, plan):
+        """(drafts, the option that drafted them, their tree or None)."""
         inputs = DraftInputs(req_ids=[rid], sampled_token_ids=[history[-1:]], next_token_ids=[history[-1]],
                              token_ids=[history], num_prompt_tokens=[num_prompt], num_drafts=[plan[0][1]],
-                             sampling_params=[None], generators=[None], max_model_len=MAX_MODEL_LEN,
+                             sampling_params=[None], seeds=[None], max_model_len=MAX_MODEL_LEN,
                              finished_req_ids=self.finished, draft_plans=[plan])
+        if self.trees:
+            inputs.tree_costs, inputs.max_tree_nodes = self.policy.draft_costs, self.max_nodes
         self.finished = set()
         out = self.proposer.propose(inputs)
         for shadow_rid, option, num_drafts, num_accepted in out.shadow_records or ():  # as the runner does
             self.policy.record(shadow_rid, num_drafts, num_accepted, option)
-        if self.oracle and out.sources is not None:  # the best of the options' drafts, with hindsight
-            return out.token_ids[0], out.sources[0] or 0
-        return out.token_ids[0], (out.sources[0] or 0) if out.sources is not None else 0
+        tree = out.trees[0] if out.trees is not None else None
+        return out.token_ids[0], (out.sources[0] or 0) if out.sources is not None else 0, tree
 
 
 def score(items: list[dict], method: str, cost: list[float], oracle: bool = False,

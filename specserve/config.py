@@ -113,6 +113,9 @@ AUTO_DRAFTERS = (*_MODEL_METHODS, "none")
 SELF_DRAFT_MIN_TARGET_BYTES = 1.5
 
 
+DRAFT_TREES = ("chain", "auto")
+
+
 @dataclass
 class SpeculativeConfig:
     """vLLM's speculative_config keys; unknown keys are refused so typos do not pass silently."""
@@ -138,6 +141,11 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # specserve's own: "chain" drafts one continuation; "auto" lets drafters that can (suffix) propose a tree
+    # of continuations, sized per request and step by expected tokens per unit of measured step cost, up to
+    # draft_tree_max_nodes nodes (spec_decode/tree.py)
+    draft_tree: str = "chain"
+    draft_tree_max_nodes: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -165,6 +173,12 @@ class SpeculativeConfig:
         if self.quantization is not None and self.method not in _MODEL_METHODS and self.method != "auto":
             raise ValueError(f"speculative_config.quantization applies to methods {', '.join(_MODEL_METHODS)} "
                              f"only, not {self.method!r}")
+        if self.draft_tree not in DRAFT_TREES:
+            raise ValueError(f"speculative_config.draft_tree must be one of {', '.join(DRAFT_TREES)}, "
+                             f"got {self.draft_tree!r}")
+        if not isinstance(self.draft_tree_max_nodes, int) or not 1 <= self.draft_tree_max_nodes <= 64:
+            raise ValueError("speculative_config.draft_tree_max_nodes must be an integer in [1, 64], "
+                             f"got {self.draft_tree_max_nodes!r}")
         if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
             raise ValueError("suffix_decoding_max_tree_depth must be >= 1 and "
                              "suffix_decoding_max_cached_requests >= 0")

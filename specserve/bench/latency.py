@@ -49,7 +49,8 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma-separated speculative methods to run besides plain decoding: ngram, suffix, "
                         "draft_model, eagle, eagle3, medusa (the last three take their head folder through "
-                        "--spec-config-json, e.g. '{\"eagle3\": {\"model\": \"PATH\"}}') (default: %(default)s)")
+                        "--spec-config-json, e.g. '{\"eagle3\": {\"model\": \"PATH\"}}'); METHOD+tree drafts "
+                        "trees (draft_tree \"auto\"), e.g. suffix,suffix+tree (default: %(default)s)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help=f"k for every speculative method (default per method: {DEFAULT_NUM_SPECULATIVE_TOKENS})")
     p.add_argument("--spec-config-json", type=json.loads, default=None,
@@ -87,9 +88,18 @@ def check_args(args: argparse.Namespace) -> None:
         require_llamacpp()
 
 
+# A method listed as "<method>+tree" drafts trees (speculative_config draft_tree "auto") where its drafter can.
+TREE_SUFFIX = "+tree"
+
+
+def method_of(label: str) -> str:
+    """The speculative method of a --methods entry: "suffix+tree" -> "suffix"."""
+    return label[:-len(TREE_SUFFIX)] if label.endswith(TREE_SUFFIX) else label
+
+
 def parse_methods(text: str) -> list[str]:
     methods = [m.strip() for m in (text or "").split(",") if m.strip()]
-    unknown = [m for m in methods if m not in DEFAULT_NUM_SPECULATIVE_TOKENS]
+    unknown = [m for m in methods if method_of(m) not in DEFAULT_NUM_SPECULATIVE_TOKENS]
     if unknown:
         raise ValueError(f"--methods: unknown method(s) {', '.join(unknown)} "
                          f"(allowed: {', '.join(DEFAULT_NUM_SPECULATIVE_TOKENS)})")
@@ -111,8 +121,11 @@ def spec_configs(args: argparse.Namespace) -> dict[str, dict]:
     if extra:
         raise ValueError(f"--spec-config-json names method(s) not in --methods: {', '.join(sorted(extra))}")
     configs = {}
-    for method in methods:
+    for label in methods:
+        method = method_of(label)
         config = {"method": method}
+        if label != method:
+            config["draft_tree"] = "auto"
         if args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS[method]:
             config["num_speculative_tokens"] = args.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS[method]
         if method == "draft_model":
@@ -120,11 +133,11 @@ def spec_configs(args: argparse.Namespace) -> dict[str, dict]:
                 config["model"] = args.draft_model
             else:  # no smaller model with SmolLM2's tokenizer is bundled: its own weights in int8 draft for it
                 config.update(model=args.model or default_model_path(), quantization="int8")
-        config.update(overrides.get(method, {}))
+        config.update(overrides.get(label, {}))
         if config["method"] != method:
-            raise ValueError(f"--spec-config-json: the {method!r} entry cannot change its method")
+            raise ValueError(f"--spec-config-json: the {label!r} entry cannot change its method")
         SpeculativeConfig.from_dict(dict(config), args.model)
-        configs[method] = config
+        configs[label] = config
     return configs
 
 

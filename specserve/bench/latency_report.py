@@ -21,6 +21,7 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 5, "draft_model": 4, "ea
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens, as in ANCHORS.md
 PLAIN, HF_PLAIN, HF_PROMPT_LOOKUP = "plain", "hf_plain", "hf_prompt_lookup"
 LABELS = {PLAIN: "specserve plain", **{m: f"specserve {m}" for m in DEFAULT_NUM_SPECULATIVE_TOKENS},
+          **{f"{m}+tree": f"specserve {m} (trees)" for m in DEFAULT_NUM_SPECULATIVE_TOKENS},
           HF_PLAIN: "transformers plain",
           HF_PROMPT_LOOKUP: f"transformers prompt lookup ({HF_PROMPT_LOOKUP_TOKENS})",
           LLAMACPP_PLAIN: "llama.cpp plain", LLAMACPP_PROMPT_LOOKUP: f"llama.cpp prompt lookup ({LLAMACPP_LOOKUP})"}

@@ -372,7 +372,8 @@ class LlamaForCausalLM:
         out, aux = kernels.decoder_forward(
             self._fused_layers.get(tuple(t for pair in kv_caches for t in pair)), x.contiguous(), self.norm,
             cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous(), meta.slot_mapping, meta.kernel, dims,
-            kv_caches[0][0].shape[1], cfg.rms_norm_eps, self.layers[0].scale if self.layers else 1.0, tuple(order))
+            kv_caches[0][0].shape[1], cfg.rms_norm_eps, self.layers[0].scale if self.layers else 1.0, tuple(order),
+            meta.slot_rows)
         if aux is not None:
             aux = [aux[order.index(i)] for i in self.aux_hidden_layers]
         return out, aux

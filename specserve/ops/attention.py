@@ -127,7 +127,7 @@ class KernelBatch:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
+    slot_mapping: torch.Tensor  # [W] cache slot of each K/V write: one per new token, unless slot_rows
     num_tokens: int
     batched: list[BatchedGroup]  # short queries for SDPA, bucketed by context length
     prefills: list[PrefillChunk]
@@ -135,6 +135,9 @@ class AttentionMetadata:
     # window -> the metadata of the layers with that sliding window when they keep their own block tables
     # (HybridKVCacheManager's window group: other slots and blocks, the same queries)
     window_groups: dict[int, "AttentionMetadata"] = field(default_factory=dict)
+    # [W] the token whose K/V write w stores (None: token w, W = num_tokens); a draft tree's node is written
+    # once into each of its paths' blocks (worker/tree_step.py)
+    slot_rows: torch.Tensor | None = None
 
     def for_window(self, window: int) -> "AttentionMetadata":
         """The metadata a layer with this sliding window (0: none) reads its cache by."""
@@ -258,8 +261,11 @@ def kernel_key_layout(k_cache: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k_cache, v_cache: [num_blocks, block_size, Hkv, D] (kv_caches' layouts); k, v: [N, Hkv, D]."""
+             slot_mapping: torch.Tensor, slot_rows: torch.Tensor | None = None) -> None:
+    """k_cache, v_cache: [num_blocks, block_size, Hkv, D] (kv_caches' layouts); k, v: [N, Hkv, D]; row
+    slot_rows[w] (None: row w) goes to slot slot_mapping[w]."""
+    if slot_rows is not None:
+        k, v = k[slot_rows], v[slot_rows]
     num_kv_heads, head_dim, block_size = k.shape[1], k.shape[2], k_cache.shape[1]
     k_cache[slot_mapping // block_size, slot_mapping % block_size] = k
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
@@ -270,7 +276,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: [N, H, D]; k, v: [N, Hkv, D] (this step's); returns [N, H * D]. window: 0, or the layer's sliding
     window (each query sees its last `window` tokens, itself included)."""
     meta = meta.for_window(window)
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.slot_rows)
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if meta.kernel is not None:

@@ -137,7 +137,8 @@ def _bind(lib):
         "probe_read": ([ptr, i64], ctypes.c_uint64),
         "probe_dot_products": ([i64], i64),
         "moe_experts_f32": ([ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr], ctypes.c_int),
-        "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
+        "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64,
+                                 i64, i64,
                                  i64, i64, i64, i64, f32, f32, ptr, i64, ptr], ctypes.c_int),
     }
     for name, (argtypes, restype) in signatures.items():
@@ -436,24 +437,27 @@ def moe_experts(h: torch.Tensor, gate_up, down, inter: int, used: torch.Tensor, 
 
 def decoder_forward(layers, x: torch.Tensor, final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     slot_mapping: torch.Tensor, batch, dims: tuple[int, int, int, int, int], block_size: int,
-                    eps: float, scale: float, aux_layers: tuple[int, ...] = ()):
+                    eps: float, scale: float, aux_layers: tuple[int, ...] = (), slot_rows: torch.Tensor | None = None):
     """Run every layer and the final norm in one C call (csrc/decoder.c); returns (out [N, hidden], aux).
 
     layers: a ctypes array of DecoderLayerC whose tensors the caller keeps alive; x: [N, hidden] embeddings,
-    overwritten (the residual stream); cos, sin: [N, head_dim]; slot_mapping: [N] int64; batch: the
+    overwritten (the residual stream); cos, sin: [N, head_dim]; slot_mapping: [W] int64, the slot of each
+    K/V write, of row slot_rows[w] ([W] int64; None: row w, W = N); batch: the
     attention metadata's KernelBatch; dims: (hidden, heads, kv heads, head_dim, intermediate). aux: the
     inputs of `aux_layers` (ascending), a list of [N, hidden], or None when none are asked for.
     """
     _check(x=x, final_norm=final_norm, cos=cos, sin=sin)
     _check(torch.int64, slot_mapping=slot_mapping)
+    if slot_rows is not None:
+        _check(torch.int64, slot_rows=slot_rows)
     hidden, num_heads, num_kv_heads, head_dim, inter = dims
     out = torch.empty_like(x)
     aux = torch.empty((len(aux_layers), *x.shape), dtype=x.dtype) if aux_layers else None
     aux_ids = torch.tensor(aux_layers, dtype=torch.int64)
     failed = _lib().decoder_forward_f32(
         layers, len(layers), x.data_ptr(), out.data_ptr(), final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        slot_mapping.data_ptr(), batch.block_table.data_ptr(), batch.block_table.shape[1],
-        batch.query_start.data_ptr(), batch.query_len.data_ptr(), batch.context_len.data_ptr(),
+        slot_mapping.data_ptr(), _ptr(slot_rows), len(slot_mapping), batch.block_table.data_ptr(),
+        batch.block_table.shape[1], batch.query_start.data_ptr(), batch.query_len.data_ptr(), batch.context_len.data_ptr(),
         len(batch.query_start), x.shape[0], hidden, num_heads, num_kv_heads, head_dim, inter, block_size,
         float(eps), float(scale), aux_ids.data_ptr(), len(aux_layers), _ptr(aux))
     if failed:

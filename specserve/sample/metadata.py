@@ -117,19 +117,23 @@ class SamplingMetadata:
         """
         if len(draft_token_ids) != self.num_rows:
             raise ValueError(f"need drafts for {self.num_rows} requests, got {len(draft_token_ids)}")
-        counts = [len(d) + 1 for d in draft_token_ids]
-        rows = [i for i, c in enumerate(counts) for _ in range(c)]
-        outputs = [self.output_token_ids[i] + list(d[:j])
-                   for i, d in enumerate(draft_token_ids) for j in range(len(d) + 1)]
+        return self.expand_rows([[d[:j] for j in range(len(d) + 1)] for d in draft_token_ids])
+
+    def expand_rows(self, histories: list[list[list[int]]]) -> SamplingMetadata:
+        """One row per entry of histories[i] for request i, seeing its output plus that entry's tokens (a
+        chain's drafts so far, or a tree node's path); seeded rows keep their request's seed."""
+        if len(histories) != self.num_rows:
+            raise ValueError(f"need rows for {self.num_rows} requests, got {len(histories)}")
+        rows = [i for i, h in enumerate(histories) for _ in h]
         meta = SamplingMetadata.build(
             [self.params[i] for i in rows],
-            outputs,
+            [self.output_token_ids[i] + list(extra) for i, h in enumerate(histories) for extra in h],
             [self.prompt_token_ids[i] for i in rows],
             [self.seeds.get(i) for i in rows],
             [self.eos_token_ids[i] for i in rows],
             self.vocab_size,
         )
-        meta.num_rows_per_request = counts
+        meta.num_rows_per_request = [len(h) for h in histories]
         return meta
 
 

@@ -75,6 +75,8 @@ class AutoProposer:
         timings = []
         # each lookup's drafts this step per request (None: not asked), and each request's place in its plan
         found: list[list[list[int] | None]] = [[None] * size for _ in range(self.num_lookups)]
+        trees: list = [None] * size  # a lookup's draft tree, where it gave one (found holds its first path)
+        found_trees: dict[tuple[int, int], object] = {}
         turn = [0] * size
         # The first round asks each request's first choice, and every lookup when the request's shadow round
         # is due; it calls every lookup when there are finished requests or requests (histories) it has not
@@ -94,8 +96,13 @@ class AutoProposer:
         while wanted:
             for option, want in wanted.items():
                 self._seen[option].update(zip(inputs.req_ids, inputs.token_ids))
-                for i, tokens in enumerate(self._run(option, inputs, want, timings).token_ids):
+                out = self._run(option, inputs, want, timings)
+                for i, tokens in enumerate(out.token_ids):
                     if want[i]:
+                        tree = out.trees[i] if out.trees is not None else None
+                        if tree is not None:
+                            found_trees[option, i] = tree
+                            tokens = [tree.tokens[v] for v in tree.first_path()]
                         found[option][i] = tokens
             wanted = {}
             for i, plan in enumerate(plans):  # take the first choice that has a draft, or ask the next
@@ -106,6 +113,9 @@ class AutoProposer:
                         break
                     if found[option][i]:
                         drafts[i], sources[i] = found[option][i][:k], option
+                        trees[i] = found_trees.get((option, i))
+                        if trees[i] is not None:
+                            drafts[i] = list(trees[i].tokens)
                     else:
                         turn[i] += 1
         model_wanted = [plan[turn[i]][1] if not drafts[i] and turn[i] < len(plan) else 0
@@ -117,7 +127,8 @@ class AutoProposer:
                 if tokens:
                     drafts[i], sources[i] = tokens, option
                     probs[i] = out.probs[i] if out.probs is not None else None
-        return Drafts(drafts, probs if any(p is not None for p in probs) else None, sources, timings, scored)
+        return Drafts(drafts, probs if any(p is not None for p in probs) else None, sources, timings, scored,
+                      trees if any(t is not None for t in trees) else None)
 
     def _unseen(self, option: int, inputs: DraftInputs) -> bool:
         seen = self._seen[option]

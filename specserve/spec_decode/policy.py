@@ -263,6 +263,14 @@ class DraftPolicy:
             return [(i, k) for _, i, k in scored]
         return self._probe(req_id, caps, tables)
 
+    def draft_costs(self, option: int, max_drafts: int) -> list[float]:
+        """cost(n) of drafting and verifying n tokens with `option` in one step, n = 0..max_drafts, in plain
+        steps (as plan prices chains; a tree prices its nodes by it)."""
+        verify = (self.step_costs.table(max_drafts).__getitem__ if self.num_running <= 1
+                  else self._verify_cost())
+        cost = self._option_cost(option, verify)
+        return [cost(n) for n in range(max_drafts + 1)]
+
     def _least_gain(self) -> float:
         """Expected tokens per unit of cost a draft must promise: more than plain decoding, with a margin
         when several requests share the step."""

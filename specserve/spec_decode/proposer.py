@@ -106,6 +106,11 @@ class DraftInputs:
     # Structured output: allowed_next(i, drafts so far) -> [vocab] bool, the tokens request i's grammar
     # allows after its history and those drafts, or None for a request without one (None: no request has).
     allowed_next: Callable[[int, list[int]], torch.Tensor | None] | None = None
+    # Draft trees (speculative_config.draft_tree): None for chains only; else tree_costs(option, n) -> cost(k)
+    # for k = 0..n drafts of that option in plain steps (drafting and verifying), which a tree drafter sizes
+    # its trees by (spec_decode/tree.py best_size), up to max_tree_nodes nodes.
+    tree_costs: Callable[[int, int], list[float]] | None = None
+    max_tree_nodes: int = 0
 
     def asking(self, num_drafts: list[int]) -> DraftInputs:
         """The same inputs asking for other draft counts (no plans): a shallow copy that shares the rest."""
@@ -135,6 +140,8 @@ class Drafts:
     # (request, option, drafts, accepted) of drafts an option made but did not submit, scored against the
     # tokens the request emitted after them: acceptance the policy learns as if they had been verified.
     shadow_records: list[tuple[str, int, int, int]] | None = None
+    # [B] a request's drafts as a tree (token_ids[i] == trees[i].tokens), None for a chain; None: all chains
+    trees: list | None = None
 
 
 class Proposer(Protocol):

@@ -11,6 +11,7 @@ import math
 from collections import deque
 
 from specserve.spec_decode.proposer import DraftInputs, DrafterNeeds, Drafts
+from specserve.spec_decode.tree import DraftTree, best_first, best_size, preorder
 
 
 class _Node:
@@ -161,6 +162,19 @@ class SuffixTrie:
             score += prob * len(tail)
         return tokens, score
 
+    def continuations(self, state, depth: int):
+        """[(token, conditional probability, (child state, depth + 1))] after `state` at `depth`: a node's
+        children by count, or a single occurrence's next token with probability 1."""
+        if depth >= self.depth:
+            return []
+        if type(state) is _Node:
+            total = state.total
+            return [(tok, _count(child) / total, (child, depth + 1)) for tok, child in state.children.items()] \
+                if total else []
+        seq = self.seqs[state[0]]
+        pos = state[1] + depth
+        return [(seq[pos], 1.0, (state, depth + 1))] if pos < len(seq) else []
+
     @staticmethod
     def _best(node: _Node) -> int:
         if node.best < 0:  # stale after a removal
@@ -185,20 +199,48 @@ class SuffixProposer:
         self._cached: deque[int] = deque()  # seq ids of the outputs in global_trie, oldest first
         self._next_seq_id = 0
 
-    def propose(self, inputs: DraftInputs) -> Drafts:
+    def propose(self, inputs: DraftInputs, option: int = 0) -> Drafts:
+        """option: this proposer's index among auto's options (which step prices a tree uses)."""
         for req_id in inputs.finished_req_ids:
             self._retire(req_id)
-        drafts = []
+        drafts, trees = [], []
+        costs = None
         for req_id, history, num_prompt, num_drafts in zip(inputs.req_ids, inputs.token_ids,
                                                            inputs.num_prompt_tokens, inputs.num_drafts):
             cap = min(num_drafts, self.k)
+            tree = None
             if cap > 0:
-                drafts.append(self._draft(self._sync(req_id, history, num_prompt), history, cap))
+                tokens, source = self._draft(self._sync(req_id, history, num_prompt), history, cap)
+                if inputs.tree_costs is not None and source is not None:
+                    if costs is None:
+                        costs = inputs.tree_costs(option, inputs.max_tree_nodes)
+                    tree = self._tree(source, cap, inputs.max_tree_nodes, costs)
+                    if tree is not None:
+                        tokens = list(tree.tokens)
+                drafts.append(tokens)
             else:  # no trie work; the history is kept for the global cache when the request finishes
                 trie = self._local.get(req_id, (None,))[0]
                 self._local[req_id] = (trie, num_prompt, history)
                 drafts.append([])
-        return Drafts(token_ids=drafts)
+            trees.append(tree)
+        return Drafts(token_ids=drafts, trees=trees if any(t is not None for t in trees) else None)
+
+    def _tree(self, source, depth_limit: int, max_nodes: int, costs: list[float]) -> DraftTree | None:
+        """The continuations of the best match as a tree (most probable nodes first, within depth_limit of the
+        match and suffix_decoding_min_token_prob), sized by expected tokens per unit of cost; None when a
+        chain is as good (the tree's first path is the best chain)."""
+        trie, state, length = source
+
+        def expand(node):
+            at, depth = (state, length) if node is None else node
+            if depth - length >= depth_limit:
+                return []
+            return trie.continuations(at, depth)
+
+        chosen = best_first(expand, max_nodes, self.min_prob)
+        n = best_size(chosen, costs.__getitem__)
+        tree = preorder(chosen[:n])
+        return None if tree.is_chain else tree
 
     def _sync(self, req_id: str, history: list[int], num_prompt: int) -> SuffixTrie:
         """The request's trie, extended with the tokens appended since the last call."""
@@ -210,15 +252,16 @@ class SuffixProposer:
         trie.extend(0, history[len(seen):])
         return trie
 
-    def _draft(self, trie: SuffixTrie, history: list[int], cap: int) -> list[int]:
-        """Best-scoring draft over match lengths (longest first) in the request's trie and the global one.
+    def _draft(self, trie: SuffixTrie, history: list[int], cap: int) -> tuple[list[int], tuple | None]:
+        """Best-scoring draft over match lengths (longest first) in the request's trie and the global one,
+        with where it came from: (trie, state, match length), None for no draft.
 
         Both tries compete on the same score (expected accepted tokens); ties keep the longer match and
         the request's own trie. Stops once no shorter match could score higher than the best so far.
         """
         open_nodes = trie.open_nodes()  # open_nodes[n]: this request's node for its last n tokens
         longest_global = self.global_trie.longest_match(history) if self._cached else 0
-        best, best_score = [], 0.0
+        best, best_score, best_source = [], 0.0, None
         for length in range(max(len(open_nodes) - 1, longest_global), 0, -1):
             limit = min(cap, math.ceil(length * self.spec_factor))  # the draft may grow with the match
             if best_score >= limit:
@@ -229,8 +272,8 @@ class SuffixProposer:
             for source, state in candidates:
                 tokens, score = source.draft(state, length, limit, self.min_prob)
                 if score > best_score:
-                    best, best_score = tokens, score
-        return best
+                    best, best_score, best_source = tokens, score, (source, state, length)
+        return best, best_source
 
     def _retire(self, req_id: str) -> None:
         """A finished request's output joins the global trie; the oldest beyond the cap leave.

@@ -68,6 +68,8 @@ class InputBatch:
     sample_req_ids: list[str]  # requests that get tokens this step (prompt complete)
     draft_token_ids: list[list[int]]  # [len(sample_req_ids)] drafts verified this step (may be empty)
     spec_decode_metadata: SpecDecodeMetadata | None  # None when no request verifies drafts
+    # [len(sample_req_ids)] each request's draft tree (None: its drafts are a chain); None when all are chains
+    draft_trees: list | None = None
 
 
 @dataclass

@@ -16,16 +16,23 @@ from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_targets
 from specserve.sample.sampler import Sampler
 from specserve.sample.spec_metadata import build_spec_decode_metadata, logits_indices
+from specserve.sample.tree_verify import trees_of, verify_tree_argmax, verify_tree_random
 from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.policy import DraftOption, DraftPolicy
 from specserve.spec_decode.proposer import (DraftInputs, DrafterNeeds, KVCacheSpec, Proposer, TargetInfo,
                                             TargetStates, make_proposer)
+from specserve.spec_decode.tree import DraftTree
 from specserve.types import RequestFailure, SchedulerOutput, max_draft_tokens
 from specserve.worker.calibration import StepCalibrator
 from specserve.worker.input_batch import (CachedRequestState, InputBatch, ModelRunnerOutput, positions_at,
                                           with_image_positions)
 from specserve.worker.structured import GrammarRequests
 from specserve.worker.threads import ThreadPolicy
+from specserve.worker.tree_step import TreeStep, accepted_moves, copy_blocks, copy_slots, fit_to_scratch, layout
+
+# Scratch blocks for draft trees' paths other than the first (worker/tree_step.py), outside the scheduler's
+# pool: a tree of 16 nodes and 8 leaves needs at most 14.
+TREE_SCRATCH_BLOCKS = 32
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +74,12 @@ class ModelRunner:
         self.forced_drafts: set[str] = set()  # requests whose drafts awaiting verification the grammar forced
         self.undrafted: set[str] = set()  # requests the drafter failed on: plain decoding to their end
         self.failed: dict[str, RequestFailure] = {}  # this step's requests that failed alone
+        # draft trees: per request the tree of its drafts awaiting verification (chains are not kept), the
+        # scratch blocks their other paths use, and this step's layouts and accepted nodes
+        self.draft_trees: dict[str, DraftTree] = {}
+        self.tree_scratch: list[int] = []
+        self.tree_steps: dict[str, TreeStep] = {}
+        self.tree_accepted: dict[str, list[int]] = {}
 
     def _build_proposer(self) -> None:
         """The proposer and its draft policy as a new engine has them."""
@@ -82,7 +95,7 @@ class ModelRunner:
         draft policy keeps this machine's measured step prices (a new engine calibrates them before its
         first request), nothing else."""
         for state in (self.requests, self.draft_probs, self.draft_sources, self.forced_drafts,
-                      self.finished_since_draft, self.undrafted, self.failed):
+                      self.finished_since_draft, self.undrafted, self.failed, self.draft_trees):
             state.clear()
         self.grammars = GrammarRequests()
         if self.proposer is not None:
@@ -131,9 +144,20 @@ class ModelRunner:
         _, _, num_kv_heads, head_dim = self.model.kv_cache_shape(1, self.block_size)
         return KVCacheSpec(num_layers, num_kv_heads, head_dim, self.model.dtype).bytes_per_block(self.block_size)
 
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether drafts may come as trees: asked for (speculative_config.draft_tree), and every layer reads
+        one block table (a hybrid model's windowed pool has no tree scratch)."""
+        return (self.spec_config is not None and self.spec_config.draft_tree != "chain"
+                and not self.window_group_windows)
+
     def initialize_kv_cache(self, num_blocks: int, num_window_blocks: int = 0) -> None:
         """num_window_blocks: the windowed layers' own pool, when window_group_windows (the scheduler then gives
-        (full, window) block id pairs); 0: every layer in one pool, read through one table."""
+        (full, window) block id pairs); 0: every layer in one pool, read through one table. With draft trees
+        the pool holds TREE_SCRATCH_BLOCKS more, ids num_blocks and up, which the scheduler never hands out."""
+        if self.drafts_trees:
+            self.tree_scratch = list(range(num_blocks, num_blocks + TREE_SCRATCH_BLOCKS))
+            num_blocks += TREE_SCRATCH_BLOCKS
         if self.window_group_windows and num_window_blocks:
             shape = self.model.kv_cache_shape(num_blocks, self.block_size)
             window_shape = self.model.kv_cache_shape(num_window_blocks, self.block_size)
@@ -187,6 +211,7 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self.draft_probs.pop(rid, None)
             self.draft_sources.pop(rid, None)
+            self.draft_trees.pop(rid, None)
             self.grammars.forget(rid)
             self.forced_drafts.discard(rid)
             if self.drafter_kv is not None:
@@ -224,37 +249,64 @@ class ModelRunner:
     # ---- inputs -------------------------------------------------------------------------
     def prepare_inputs(self, sched: SchedulerOutput) -> InputBatch:
         ids, positions, slots, image_positions, image_rows, image_embeds = [], [], [], [], [], []
-        window_slots, window_tables = [], []
+        window_slots, window_tables, extra_writes, block_copies = [], [], [], []
         query_lens, context_lens, tables, sample_ids, sample_drafts, sample_ends = [], [], [], [], [], []
+        sample_trees = []
         starts = [0]
+        scratch = list(self.tree_scratch)
+        self.tree_steps, self.tree_accepted = {}, {}
         for rid in sched.req_ids:
             state = self.requests[rid]
             n = sched.num_scheduled_tokens[rid]
             drafts = sched.scheduled_spec_decode_tokens.get(rid, [])
             start = state.num_computed_tokens
             tokens = state.token_ids[start:start + n]
-            ids.extend(tokens + drafts[: n - len(tokens)])
-            positions.extend(range(start, start + n))
-            if state.mrope is not None:
-                image_positions.append((starts[-1], state.mrope.range(start, start + n)))
-            if state.mm_features and start < state.mm_features[-1].end:
-                for rows, embeds in self._image_embeds_or_blank(state, start, start + n, starts[-1]):
-                    image_rows.extend(rows)
-                    image_embeds.append(embeds)
-            slots.extend(slot_ids(state.block_ids, start, start + n, self.block_size))
-            if state.window_block_ids is not None:
-                window_slots.extend(slot_ids(state.window_block_ids, start, start + n, self.block_size))
-                window_tables.append(state.window_block_ids)
+            tree = self._tree_of(state, drafts, start + len(tokens) - 1, len(scratch)) if drafts else None
+            if tree is not None:  # verified as a tree: its nodes after the request's tokens
+                drafts = list(tree.tokens)
+                n = len(tokens) + len(tree)
+                step = self.tree_steps[rid] = layout(tree, start, len(tokens), state.block_ids, self.block_size,
+                                                     scratch)
+                ids.extend(tokens + drafts)
+                positions.extend(step.positions)
+                if state.mrope is not None:
+                    columns = torch.tensor(step.positions) - start
+                    image_positions.append((starts[-1], state.mrope.range(start, max(step.positions) + 1)[:, columns]))
+                slots.extend(step.slots)
+                extra_writes.extend((starts[-1] + row, slot) for row, slot in step.extra_writes)
+                block_copies.extend(step.block_copies)
+                for first_row, q_len, c_len, table in step.sequences:
+                    query_lens.append(q_len)
+                    context_lens.append(c_len)
+                    tables.append(table)
+            else:
+                ids.extend(tokens + drafts[: n - len(tokens)])
+                positions.extend(range(start, start + n))
+                if state.mrope is not None:
+                    image_positions.append((starts[-1], state.mrope.range(start, start + n)))
+                if state.mm_features and start < state.mm_features[-1].end:
+                    for rows, embeds in self._image_embeds_or_blank(state, start, start + n, starts[-1]):
+                        image_rows.extend(rows)
+                        image_embeds.append(embeds)
+                slots.extend(slot_ids(state.block_ids, start, start + n, self.block_size))
+                if state.window_block_ids is not None:
+                    window_slots.extend(slot_ids(state.window_block_ids, start, start + n, self.block_size))
+                    window_tables.append(state.window_block_ids)
+                query_lens.append(n)
+                context_lens.append(start + n)
+                tables.append(state.block_ids)
             if start + n >= len(state.token_ids):
                 sample_ids.append(rid)
                 sample_drafts.append(drafts)
+                sample_trees.append(tree)
                 sample_ends.append(starts[-1] + n)
-            query_lens.append(n)
-            context_lens.append(start + n)
-            tables.append(state.block_ids)
             starts.append(starts[-1] + n)
-        attn = build_attention_metadata(query_lens, context_lens, tables, self.block_size,
-                                        torch.tensor(slots, dtype=torch.long), self.attention_kernel)
+        slot_mapping = torch.tensor(slots + [slot for _, slot in extra_writes], dtype=torch.long)
+        attn = build_attention_metadata(query_lens, context_lens, tables, self.block_size, slot_mapping,
+                                        self.attention_kernel)
+        if extra_writes:
+            attn.slot_rows = torch.tensor(list(range(len(slots))) + [row for row, _ in extra_writes], dtype=torch.long)
+        copy_blocks(self.kv_caches, block_copies)
         if window_tables:  # the sliding-window layers' own tables
             window_attn = build_attention_metadata(query_lens, context_lens, window_tables, self.block_size,
                                                    torch.tensor(window_slots, dtype=torch.long), self.attention_kernel)
@@ -273,7 +325,18 @@ class ModelRunner:
             sample_req_ids=sample_ids,
             draft_token_ids=sample_drafts,
             spec_decode_metadata=spec,
+            draft_trees=sample_trees if any(t is not None for t in sample_trees) else None,
         )
+
+    def _tree_of(self, state: CachedRequestState, drafts: list[int], root: int, scratch: int) -> DraftTree | None:
+        """The tree of `drafts` (a prefix of the tree they were drafted as), cut to what `scratch` blocks hold;
+        None to verify them as a chain."""
+        tree = self.draft_trees.get(state.req_id)
+        if tree is None or tuple(drafts) != tree.tokens[:len(drafts)] or (
+                state.mm_features and root < state.mm_features[-1].end):
+            return None
+        tree = fit_to_scratch(tree.prefix(len(drafts)), root, self.block_size, scratch)
+        return None if tree.is_chain and len(tree) == len(drafts) else tree
 
     def layout_positions(self, index: torch.Tensor) -> torch.Tensor:
         """[N] absolute indices → the model's layout: [N], or [3, N] under M-RoPE (text: equal rows)."""
@@ -331,12 +394,14 @@ class ModelRunner:
             return sampled, {}
         meta = self._sampling_metadata(batch.sample_req_ids)
         spec, lp = batch.spec_decode_metadata, None
-        awaiting = {rid: (self.draft_probs.pop(rid, None), self.draft_sources.pop(rid, 0))
+        awaiting = {rid: (self.draft_probs.pop(rid, None), self.draft_sources.pop(rid, 0), self.draft_trees.pop(rid, None))
                     for rid in batch.sample_req_ids}
         # structured outputs: the grammar's allowed tokens at every sampled or verified row
         masks = (self.grammars.logits_masks(batch.sample_req_ids, batch.draft_token_ids, self._grammar_failed)
                  if self.grammars else [])
-        if meta.argmax_only:  # greedy without penalties or logprobs: the argmax alone, not the logits
+        if batch.draft_trees is not None:
+            tokens, lp = self._verify_trees(hidden, batch, meta, masks, awaiting)
+        elif meta.argmax_only:  # greedy without penalties or logprobs: the argmax alone, not the logits
             targets = self.model.greedy_tokens(hidden, self.grammars.allowed_rows(masks, hidden.shape[0],
                                                                                     self.vocab_size) if masks else None)
             tokens = ([[t] for t in targets.tolist()] if spec is None
@@ -352,7 +417,9 @@ class ModelRunner:
         if spec is not None:
             for rid, drafts, toks in zip(batch.sample_req_ids, batch.draft_token_ids, tokens):
                 if drafts and rid not in self.forced_drafts:  # forced drafts teach the policy nothing
-                    self.draft_policy.record(rid, len(drafts), len(toks) - 1, awaiting[rid][1])
+                    tree = self.tree_steps[rid].tree if rid in self.tree_steps else None
+                    self.draft_policy.record(rid, tree.depth if tree else len(drafts), len(toks) - 1,
+                                             awaiting[rid][1])
         self.forced_drafts.difference_update(batch.sample_req_ids)
         for rid, toks in zip(batch.sample_req_ids, tokens):
             sampled[rid] = toks
@@ -361,6 +428,25 @@ class ModelRunner:
                 self.grammars.accept(rid, toks, self._grammar_failed)
         logprobs = self._logprob_entries(batch.sample_req_ids, tokens, lp) if lp else {}
         return sampled, logprobs
+
+    def _verify_trees(self, hidden: torch.Tensor, batch: InputBatch, meta: SamplingMetadata, masks, awaiting):
+        """(tokens, logprobs) of a step where some request verifies a draft tree (the others' chains are
+        one-path trees); the accepted nodes' K/V move to their requests' own slots."""
+        trees = trees_of(batch.draft_token_ids, batch.draft_trees)
+        if meta.argmax_only:
+            out = verify_tree_argmax(trees, self.model.greedy_tokens(
+                hidden, self.grammars.allowed_rows(masks, hidden.shape[0], self.vocab_size) if masks else None))
+        else:
+            probs = [_q_of(awaiting[rid][0], d) for rid, d in zip(batch.sample_req_ids, batch.draft_token_ids)]
+            out = verify_tree_random(trees, self.grammars.apply(self.model.compute_logits(hidden), masks), meta,
+                                     probs if any(p is not None for p in probs) else None)
+        for rid, accepted in zip(batch.sample_req_ids, out.accepted):
+            step = self.tree_steps.get(rid)
+            if step is not None:
+                self.tree_accepted[rid] = accepted
+                copy_slots(self.kv_caches, accepted_moves(step, accepted, self.requests[rid].block_ids,
+                                                          self.block_size), self.block_size)
+        return out.token_ids, out.logprobs
 
     def _logprob_entries(self, req_ids: list[str], tokens: list[list[int]], lp) -> dict[str, list[dict]]:
         """Per request, per new token, {token_id: (logprob, rank)}: the sampled token plus the top-n."""
@@ -414,6 +500,7 @@ class ModelRunner:
             self.finished_since_draft.add(rid)
             self.draft_probs.pop(rid, None)
             self.draft_sources.pop(rid, None)
+            self.draft_trees.pop(rid, None)
             self.draft_policy.forget(rid)
             if self.drafter_kv is not None:
                 self.drafter_kv.forget(rid)
@@ -430,6 +517,14 @@ class ModelRunner:
                     (0, sum(map(len, drafts.token_ids)), time.perf_counter() - start)]:
                 self.draft_policy.observe_drafting(num_tokens, seconds, option)
         for i, rid in enumerate(inputs.req_ids):
+            tree = drafts.trees[i] if drafts.trees is not None else None
+            if tree is not None and (rid in self.grammars or not self.tree_scratch):  # chains only: its first path
+                drafts.token_ids[i] = [tree.tokens[v] for v in tree.first_path()]
+                tree = None
+            if tree is not None and not tree.is_chain:
+                self.draft_trees[rid] = tree
+            else:
+                self.draft_trees.pop(rid, None)
             if rid in self.grammars:  # no verification spent on a token the grammar refuses
                 drafts.token_ids[i] = drafts.token_ids[i][:self.grammars.allowed_prefix(rid, drafts.token_ids[i])]
             if drafts.probs is not None and drafts.probs[i] is not None and drafts.token_ids[i]:
@@ -447,6 +542,7 @@ class ModelRunner:
             if tokens:
                 forced[state.req_id] = tokens
                 self.forced_drafts.add(state.req_id)
+                self.draft_trees.pop(state.req_id, None)
         return forced
 
     def _draft_plan(self, state: CachedRequestState) -> list[tuple[int, int]]:
@@ -471,8 +567,13 @@ class ModelRunner:
         index, cu = [], [0]
         for rid in req_ids:
             start, end = batch.query_start_loc[row_of[rid]], batch.query_start_loc[row_of[rid] + 1]
-            num_rejected = num_drafts[rid] + 1 - len(sampled[rid]) if rid in num_drafts else 0
-            index.extend(range(start, end - num_rejected))
+            if rid in self.tree_accepted:  # its tokens' rows, then the accepted nodes'
+                step = self.tree_steps[rid]
+                index.extend(range(start, start + step.num_real))
+                index.extend(start + step.node_row(v) for v in self.tree_accepted[rid])
+            else:
+                num_rejected = num_drafts[rid] + 1 - len(sampled[rid]) if rid in num_drafts else 0
+                index.extend(range(start, end - num_rejected))
             cu.append(len(index))
         return list(req_ids), index, cu
 
@@ -499,6 +600,9 @@ class ModelRunner:
             allowed_next=self.grammars.allowed_next(list(req_ids)) if self.grammars else None,
         )
         needs = self.proposer.needs
+        if self.drafts_trees and self.tree_scratch:
+            inputs.tree_costs = self.draft_policy.draft_costs
+            inputs.max_tree_nodes = self.spec_config.draft_tree_max_nodes
         if needs.kv is not None or needs.reads_target_kv:  # its slots follow the target's block tables
             inputs.block_tables = {rid: self.requests[rid].block_ids for rid in batch.req_ids}
         if needs.target_states is not TargetStates.NONE:

@@ -146,11 +146,13 @@ def test_a_sampling_drafter_keeps_the_target_distribution(tiny_pair, sampling, s
     assert m.num_accepted_tokens < 0.8 * m.num_draft_tokens  # rejections: recovered tokens
 
 
-def check_first_tokens_follow_the_target(hf, target: str, spec: dict, sampling: dict, seeded: bool):
+def check_first_tokens_follow_the_target(hf, target: str, spec: dict, sampling: dict, seeded: bool,
+                                        every_position: bool = True):
     """NUM_SAMPLES requests with speculation `spec`, finishing at different steps, with preemption: their
     first DEPTH tokens pass a chi-square test against the exact target distribution at false-alarm rate
     ALPHA (seeds fixed: each run gives the same verdict), while the same counts reject a 25% hotter
-    target, so the check is not vacuous. Returns the engine's metrics."""
+    target, so the check is not vacuous. every_position: check that drafts at every position were accepted
+    at times (chains; a tree's later nodes are siblings, not deeper positions). Returns the engine's metrics."""
     llm = LLM(model=target, max_model_len=64, block_size=4, num_kv_blocks=48, max_num_seqs=32, seed=0,
               speculative_config=dict(spec, adaptive_draft_length=False))
     max_tokens = [3, 5, 9, 14]  # requests finish at different steps while the others continue
@@ -160,7 +162,7 @@ def check_first_tokens_follow_the_target(hf, target: str, spec: dict, sampling: 
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
     m = llm.get_metrics()
     assert m.num_preemptions > 0
-    assert m.accepted_per_position[-1] > 0  # every position accepted at times, and bonus tokens
+    assert m.accepted_per_position[-1] > 0 or not every_position  # every position accepted at times
     firsts = np.array([o.outputs[0].token_ids[:DEPTH] for o in outs])  # [NUM_SAMPLES, DEPTH]
     counts = np.bincount(firsts @ VOCAB ** np.arange(DEPTH - 1, -1, -1), minlength=VOCAB ** DEPTH)
     base = SamplingParams(**sampling)

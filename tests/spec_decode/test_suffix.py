@@ -158,6 +158,29 @@ def test_min_token_prob_prunes_low_probability_branches():
     assert one(proposer(min_prob=0.7), "r", history) == []
 
 
+def test_trees_hold_the_most_probable_continuations_sized_by_step_cost():
+    """draft_tree="auto": the best match's continuations as a tree, most probable nodes first (within the
+    depth cap and min_token_prob), its first path the best chain, as many nodes as pay at the given costs."""
+    history = [1, 2, 3, 7] * 3 + [1, 2, 4, 7, 1, 2]  # after "7 1 2": 3 twice, 4 once; then 7, 1
+    p = proposer(k=3, min_prob=0.1)
+
+    def tree_of(per_row_cost, max_nodes=16):
+        inputs = make_inputs(["r"], [history], [3])
+        inputs.tree_costs = lambda option, n: [1.0 + per_row_cost * k for k in range(n + 1)]
+        inputs.max_tree_nodes = max_nodes
+        out = p.propose(inputs)
+        return out.token_ids[0], out.trees[0] if out.trees else None
+
+    tokens, tree = tree_of(0.01)
+    # nodes by path probability: 3, 3-7, 3-7-1 (2/3 each), then 4, 4-7, 4-7-1 (1/3); the likelier path first
+    assert tree.tokens == (3, 7, 1, 4, 7, 1) and tree.parents == (-1, 0, 1, -1, 3, 4)
+    assert tokens == list(tree.tokens)
+    assert tree_of(0.01, max_nodes=4)[1].tokens == (3, 7, 1, 4)
+    # a row at 30% of a step: the 1/3 branch does not pay for its rows; the best chain is drafted
+    tokens, tree = tree_of(0.3)
+    assert tree is None and tokens == [3, 7, 1]
+
+
 def test_draft_length_grows_with_match_length():
     unit = list(range(100, 130))
     for match_len in range(1, 13):

@@ -4,8 +4,10 @@
  * bitwise those of the Python sequence: each kernel is called on the same inputs.
  *
  * Layouts (fp32, contiguous): x [N, hidden] (the embeddings; used as the residual stream and
- * overwritten), out [N, hidden] (the final norm's output), cos/sin [N, head_dim], slot_mapping [N],
- * attention metadata as in paged_attention.c, caches as there (keys transposed within each block).
+ * overwritten), out [N, hidden] (the final norm's output), cos/sin [N, head_dim], slot_mapping [num_slots]
+ * with slot_rows [num_slots] (write w stores row slot_rows[w]'s key and value at slot slot_mapping[w]; NULL:
+ * row w, num_slots = N; a tree step writes a node into each draft path's blocks), attention metadata as in
+ * paged_attention.c, caches as there (keys transposed within each block).
  * aux_layers [num_aux] (ascending) names the layers whose input (the residual stream entering the layer,
  * before its norm) is copied to aux_out [num_aux, N, hidden], for drafters that read intermediate states.
  */
@@ -65,7 +67,7 @@ static void linear(const linear_t *l, const float *x, float *y, int64_t rows, in
 /* Returns 0 on success, 1 when a buffer could not be allocated. */
 int decoder_forward_f32(const layer_t *layers, int64_t num_layers, float *x, float *out, const float *final_norm,
                         const float *cos, const float *sin, const int64_t *slot_mapping,
-                        const int64_t *block_table, int64_t table_width, const int64_t *query_start,
+                        const int64_t *slot_rows, int64_t num_slots, const int64_t *block_table, int64_t table_width, const int64_t *query_start,
                         const int64_t *query_len, const int64_t *context_len, int64_t num_seqs, int64_t N,
                         int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
                         int64_t block_size, float eps, float scale, const int64_t *aux_layers, int64_t num_aux,
@@ -91,11 +93,11 @@ int decoder_forward_f32(const layer_t *layers, int64_t num_layers, float *x, flo
         linear(&L->qkv, h, qkv, N, hidden, qkv_size);
         t = profile_mark(PROFILE_PROJECTIONS, t);
         rope_qk_f32(qkv, cos, sin, N, qkv_size, num_heads + num_kv_heads, head_dim);
-        for (int64_t r = 0; r < N; r++) {
-            const float *row = qkv + r * qkv_size;
-            memcpy(q + r * q_size, row, sizeof(float) * q_size);
-            store_key(L->k_cache, slot_mapping[r], row + q_size, kv_size, block_size);
-            memcpy(L->v_cache + slot_mapping[r] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
+        for (int64_t r = 0; r < N; r++) memcpy(q + r * q_size, qkv + r * qkv_size, sizeof(float) * q_size);
+        for (int64_t w = 0; w < num_slots; w++) {
+            const float *row = qkv + (slot_rows ? slot_rows[w] : w) * qkv_size;
+            store_key(L->k_cache, slot_mapping[w], row + q_size, kv_size, block_size);
+            memcpy(L->v_cache + slot_mapping[w] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
         }
         t = profile_mark(PROFILE_OTHER, t);
         failed = paged_attention_f32(q, attn, L->k_cache, L->v_cache, block_table, table_width, query_start,

@@ -106,6 +106,8 @@ class SamplingParams:
     """How to sample one request's output; defaults and ranges follow vLLM.
 
     `num_speculative_tokens`: None = engine default, 0 = no speculation, k = at most k drafts per step.
+    `draft_tree`: None or "auto" = the engine's speculative_config draft_tree, "chain" = one continuation per
+    step for this request even where the engine drafts trees.
     """
 
     n: int = 1
@@ -129,6 +131,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     num_speculative_tokens: int | None = None
+    draft_tree: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -172,6 +175,7 @@ class SamplingParams:
             _require(mn <= mt, "min_tokens", f"<= max_tokens ({mt})", mn)
         k = self.num_speculative_tokens
         _require(k is None or (_is_int(k) and k >= 0), "num_speculative_tokens", ">= 0 or None", k)
+        _require(self.draft_tree in (None, "chain", "auto"), "draft_tree", "'chain', 'auto' or None", self.draft_tree)
 
     def _verify_stops(self) -> None:
         for s in self.stop:

@@ -114,6 +114,9 @@ class SamplingFields(OpenAIModel):
     num_speculative_tokens: int | None = Field(
         None, ge=0, description="draft tokens per step for this request: 0 = no speculation, "
                                 "omitted = the server's speculative_config")
+    draft_tree: Literal["chain", "auto"] | None = Field(
+        None, description="\"chain\": one draft continuation per step for this request; omitted or \"auto\": "
+                          "trees where the server's speculative_config draft_tree allows")
     # Structured output: at most one of these (response_format is OpenAI's, the others vLLM's).
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = Field(
@@ -132,7 +135,8 @@ class SamplingFields(OpenAIModel):
             top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, num_speculative_tokens=self.num_speculative_tokens)
+            skip_special_tokens=self.skip_special_tokens, num_speculative_tokens=self.num_speculative_tokens,
+            draft_tree=self.draft_tree)
         return {k: v for k, v in kwargs.items() if v is not None}
 
     def output_constraints(self) -> list[OutputConstraint]:

@@ -27,6 +27,7 @@ class DrafterKVCache:
         self.caches = kv_caches(shape, spec.dtype, spec.num_layers)  # per layer (k, v)
         self.use_kernel = kernel_usable(spec.dtype)
         self.num_valid: dict[str, int] = {}  # per request: tokens [0, n) whose drafter KV is in place
+        self.tree_scratch: list[int] = []  # blocks no request owns, for drafting trees (the runner's tree scratch)
         self.valid_blocks: set[int] = set()  # blocks whose every slot holds the drafter's KV of their tokens
 
     def start(self, req_id: str, block_ids: list[int], num_computed_tokens: int) -> None:

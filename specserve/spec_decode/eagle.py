@@ -24,11 +24,16 @@ from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.draw import draft_chains, draft_sampling_metadata, draw
 from specserve.spec_decode.proposer import (DraftInputs, KVCacheSpec, DrafterNeeds, Drafts, TargetInfo,
                                             TargetStates)
+from specserve.spec_decode.tree import DraftTree, TreeChooser
+from specserve.worker.tree_step import copy_blocks
 
 
 # A request's deferred rows past which they are written anyway: bounds the states kept aside (EAGLE-3 keeps
 # three hidden-size rows a token) to ~256 tokens a request.
 MAX_DEFERRED_ROWS = 256
+# Draft trees (EAGLE-2's dynamic trees): each drafted node offers its TREE_TOP_K likeliest next tokens, and
+# per depth the TREE_TOP_K likeliest nodes (by path probability) are expanded.
+TREE_TOP_K = 4
 
 
 @dataclass
@@ -65,16 +70,35 @@ class EagleProposer:
             kv=KVCacheSpec(1, cfg.num_key_value_heads, cfg.head_dim, self.head.dtype),
             num_lookahead_tokens=spec_config.num_speculative_tokens)
         self.deferred: dict[str, list[_Rows]] = {}  # per request, rows not written yet (no drafting since)
+        self.trees = TreeChooser()
 
     @torch.inference_mode()
     def propose(self, inputs: DraftInputs) -> Drafts:
         kv = inputs.drafter_kv
         for rid in inputs.finished_req_ids:
             self.deferred.pop(rid, None)
+            self.trees.forget(rid)
+        for rid, history in zip(inputs.req_ids, inputs.token_ids):
+            self.trees.score(rid, history)
         rows = [i for i, n in enumerate(inputs.num_drafts) if n > 0]
         g, last_row = self._write_target_features(inputs, kv, {inputs.req_ids[i] for i in rows})
         if not rows:
             return Drafts([[] for _ in inputs.req_ids])
+        first = g[torch.tensor([last_row[inputs.req_ids[i]] for i in rows])]  # [len(rows), H]
+        tree_rows = self._tree_rows(inputs, kv, rows)
+        if tree_rows:  # EAGLE-2 trees for these; chains (below) for the others
+            trees = self._draft_trees(inputs, kv, tree_rows, first[torch.tensor([rows.index(i) for i in tree_rows])])
+            keep = [j for j, i in enumerate(rows) if i not in trees]
+            chains = self._draft_chains(inputs, kv, [rows[j] for j in keep], first[torch.tensor(keep, dtype=torch.long)])
+            for i, tree in trees.items():
+                chains.token_ids[i] = list(tree.tokens)
+            chains.trees = [trees[i] if i in trees and not trees[i].is_chain else None
+                            for i in range(len(inputs.req_ids))]
+            return chains
+        return self._draft_chains(inputs, kv, rows, first)
+
+    def _draft_chains(self, inputs: DraftInputs, kv: DrafterKVCache, rows: list[int], first: torch.Tensor) -> Drafts:
+        """Chains for requests `rows`, drafted from the head's outputs first [len(rows), H]."""
         outputs = {}  # row -> the head's output it drafts from next
 
         def draw_rows(live: list[int], g: torch.Tensor, allowed: torch.Tensor | None, step: int):
@@ -85,8 +109,92 @@ class EagleProposer:
             g = torch.stack([outputs[i] for i in live])
             return self._advance(inputs, kv, live, g, last_tokens, step)
 
-        first = g[torch.tensor([last_row[inputs.req_ids[i]] for i in rows])]  # [len(rows), H]
         return draft_chains(inputs, rows, first, draw_rows, advance)
+
+    def _tree_rows(self, inputs: DraftInputs, kv: DrafterKVCache, rows: list[int]) -> list[int]:
+        """The requests of `rows` that draft trees: trees asked for, no grammar, as many as the scratch
+        blocks hold (each expanded node's path takes up to two)."""
+        if inputs.tree_costs is None or not kv.tree_scratch:
+            return []
+        fit = len(kv.tree_scratch) // (4 * TREE_TOP_K)  # this depth's paths and the next's
+        return [i for i in rows if inputs.wants_tree(i)][:fit]
+
+    def _draft_trees(self, inputs: DraftInputs, kv: DrafterKVCache, rows: list[int], g: torch.Tensor
+                     ) -> dict[int, DraftTree]:
+        """EAGLE-2's dynamic trees for requests `rows` from the head's outputs g [len(rows), H]: candidates
+        grow a depth at a time (each expanded node's TREE_TOP_K likeliest tokens under the head, the
+        TREE_TOP_K likeliest nodes of the depth expanded next, all requests' in one head pass), up to each
+        request's num_drafts deep and max_tree_nodes candidates; then TreeChooser keeps the likeliest
+        candidates as far as they pay. An expanded node attends to the context and its ancestors only: its
+        path is a sequence of its own in the head's KV, its ancestors in scratch blocks (tree_step's scheme),
+        copied from its parent's. Drafts are top-k tokens (q one-hot), so verification stays lossless for
+        sampling requests too."""
+        bs = kv.block_size
+        # per request: candidates (parent candidate or -1, token, path probability), and the frontier:
+        # (candidate, its depth, the head output it is drawn from, its path's tail blocks)
+        cands: dict[int, list[tuple[int, int, float]]] = {i: [] for i in rows}
+        frontier = [(i, -1, 0, g[j], []) for j, i in enumerate(rows)]  # the root: draws depth 1
+        free = list(kv.tree_scratch)
+        while frontier:
+            outputs = torch.stack([f[3] for f in frontier])
+            probs = self.head.compute_logits(outputs).softmax(-1)
+            top_p, top_ids = probs.topk(min(TREE_TOP_K, probs.shape[-1]), dim=-1)
+            top_ids = self.head.draft_to_target(top_ids)
+            grown: dict[int, list[int]] = {}
+            for (i, node, depth, _, _), ps, ids in zip(frontier, top_p.tolist(), top_ids.tolist()):
+                base = cands[i][node][2] if node >= 0 else 1.0
+                for p, t in zip(ps, ids):
+                    cands[i].append((node, t, base * p))
+                    grown.setdefault(i, []).append(len(cands[i]) - 1)
+            frontier = self._expand(inputs, kv, frontier, cands, grown, free, bs)
+        trees = {}
+        costs = None
+        for i in rows:
+            order = sorted(range(len(cands[i])), key=lambda c: -cands[i][c][2])[:inputs.max_tree_nodes]
+            order = _parents_first(order, cands[i])
+            index = {c: n for n, c in enumerate(order)}
+            chosen = [(index[cands[i][c][0]] if cands[i][c][0] >= 0 else -1, cands[i][c][1], cands[i][c][2])
+                      for c in order]
+            costs = costs or inputs.tree_costs(0, inputs.max_tree_nodes)
+            trees[i] = self.trees.choose(inputs.req_ids[i], len(inputs.token_ids[i]), chosen, costs)
+        return trees
+
+    def _expand(self, inputs: DraftInputs, kv: DrafterKVCache, frontier, cands, grown, free: list[int], bs: int):
+        """The next frontier: per request the TREE_TOP_K likeliest candidates just grown (while within its
+        draft length), fed through the head in one pass, each on its own path's blocks."""
+        nxt = []
+        for i, new in grown.items():
+            depth = next(f[2] for f in frontier if f[0] == i) + 1
+            if depth >= inputs.num_drafts[i]:
+                continue
+            parents = {f[1]: f for f in frontier if f[0] == i}
+            for c in sorted(new, key=lambda c: -cands[i][c][2])[:TREE_TOP_K]:
+                nxt.append((i, c, depth, parents[cands[i][c][0]]))
+        if not nxt:
+            for f in frontier:
+                free.extend(f[4])
+            return []
+        copies, tables, tails = [], [], []
+        for i, c, depth, parent in nxt:
+            root = len(inputs.token_ids[i]) - 1  # the newest token; the node is fed at index root + depth - 1
+            first = root // bs
+            table = inputs.block_tables[inputs.req_ids[i]]
+            count = (root + depth - 1) // bs - first + 1
+            tail, free[:] = free[:count], free[count:]
+            sources = parent[4] or [table[first]]  # the parent's path, or the request's own block
+            copies.extend(zip(sources, tail))
+            path_table = list(table[:first]) + tail
+            tables.append(path_table)
+            tails.append(tail)
+        copy_blocks(kv.caches, copies)
+        for f in frontier:
+            free.extend(f[4])
+        meta = kv.metadata([1] * len(nxt), [len(inputs.token_ids[i]) + d - 1 for i, _, d, _ in nxt], tables)
+        tokens = torch.tensor([cands[i][c][1] for i, c, _, _ in nxt])
+        hidden = torch.stack([parent[3] for _, _, _, parent in nxt])
+        positions = torch.cat([inputs.next_positions[..., i:i + 1] + d - 1 for i, _, d, _ in nxt], dim=-1)
+        out = self.head.forward(tokens, hidden, positions, meta, kv.caches[0])
+        return [(i, c, depth, out[n], tail) for n, ((i, c, depth, _), tail) in enumerate(zip(nxt, tails))]
 
     def _write_target_features(self, inputs: DraftInputs, kv: DrafterKVCache, drafting: set[str]
                                ) -> tuple[torch.Tensor | None, dict[str, int]]:
@@ -149,3 +257,19 @@ class EagleProposer:
         meta = draft_sampling_metadata(inputs, rows, self.head.vocab_size)
         return draw(meta, lambda: self.head.greedy_tokens(g), lambda: self.head.logits_in_target_vocab(g), allowed,
                     step)
+
+
+def _parents_first(order: list[int], cands: list[tuple[int, int, float]]) -> list[int]:
+    """Candidates `order` (likeliest first) with each one's missing ancestors pulled in before it and the
+    list cut back to its length: a parent is never less likely than its child, but ties may order them
+    either way."""
+    out, seen = [], set()
+    for c in order:
+        chain = []
+        while c >= 0 and c not in seen:
+            chain.append(c)
+            c = cands[c][0]
+        for a in reversed(chain):
+            seen.add(a)
+            out.append(a)
+    return out[:len(order)]

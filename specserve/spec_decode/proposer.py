@@ -119,6 +119,12 @@ class DraftInputs:
         copy.num_drafts, copy.draft_plans = num_drafts, []
         return copy
 
+    def wants_tree(self, i: int) -> bool:
+        """Whether request i may get a draft tree: trees are on (tree_costs), its grammar (if any) checks chains
+        only, and its SamplingParams do not ask for chains."""
+        return (self.tree_costs is not None and getattr(self.sampling_params[i], "draft_tree", None) != "chain"
+                and (self.allowed_next is None or self.allowed_next(i, []) is None))
+
     def positions(self, i: int, start: int, end: int, mrope: bool) -> torch.Tensor:
         """Positions of request i's token indices start..end-1 (history, then drafts) as the target would
         place them: [n] indices, or with mrope [3, n] (a prompt's images, then index + delta)."""

@@ -11,7 +11,7 @@ import math
 from collections import deque
 
 from specserve.spec_decode.proposer import DraftInputs, DrafterNeeds, Drafts
-from specserve.spec_decode.tree import DraftTree, best_first, best_size, preorder
+from specserve.spec_decode.tree import DraftTree, TreeChooser, best_first
 
 
 class _Node:
@@ -198,6 +198,7 @@ class SuffixProposer:
         self.global_trie = SuffixTrie(self.depth)
         self._cached: deque[int] = deque()  # seq ids of the outputs in global_trie, oldest first
         self._next_seq_id = 0
+        self.trees = TreeChooser()  # trees: how often nodes are accepted at the tries' probabilities
 
     def propose(self, inputs: DraftInputs, option: int = 0) -> Drafts:
         """option: this proposer's index among auto's options (which step prices a tree uses)."""
@@ -205,16 +206,17 @@ class SuffixProposer:
             self._retire(req_id)
         drafts, trees = [], []
         costs = None
-        for req_id, history, num_prompt, num_drafts in zip(inputs.req_ids, inputs.token_ids,
-                                                           inputs.num_prompt_tokens, inputs.num_drafts):
+        for i, (req_id, history, num_prompt, num_drafts) in enumerate(zip(
+                inputs.req_ids, inputs.token_ids, inputs.num_prompt_tokens, inputs.num_drafts)):
+            self.trees.score(req_id, history)
             cap = min(num_drafts, self.k)
             tree = None
             if cap > 0:
                 tokens, source = self._draft(self._sync(req_id, history, num_prompt), history, cap)
-                if inputs.tree_costs is not None and source is not None:
+                if source is not None and inputs.wants_tree(i):
                     if costs is None:
                         costs = inputs.tree_costs(option, inputs.max_tree_nodes)
-                    tree = self._tree(source, cap, inputs.max_tree_nodes, costs)
+                    tree = self._tree(req_id, len(history), source, cap, inputs.max_tree_nodes, costs)
                     if tree is not None:
                         tokens = list(tree.tokens)
                 drafts.append(tokens)
@@ -225,10 +227,12 @@ class SuffixProposer:
             trees.append(tree)
         return Drafts(token_ids=drafts, trees=trees if any(t is not None for t in trees) else None)
 
-    def _tree(self, source, depth_limit: int, max_nodes: int, costs: list[float]) -> DraftTree | None:
+    def _tree(self, req_id: str, length: int, source, depth_limit: int, max_nodes: int,
+              costs: list[float]) -> DraftTree | None:
         """The continuations of the best match as a tree (most probable nodes first, within depth_limit of the
-        match and suffix_decoding_min_token_prob), sized by expected tokens per unit of cost; None when a
-        chain is as good (the tree's first path is the best chain)."""
+        match and suffix_decoding_min_token_prob), sized by expected tokens per unit of cost, each node's
+        probability calibrated by the acceptance seen; None when a chain is as good (the tree's first path is
+        the best chain)."""
         trie, state, length = source
 
         def expand(node):
@@ -237,9 +241,7 @@ class SuffixProposer:
                 return []
             return trie.continuations(at, depth)
 
-        chosen = best_first(expand, max_nodes, self.min_prob)
-        n = best_size(chosen, costs.__getitem__)
-        tree = preorder(chosen[:n])
+        tree = self.trees.choose(req_id, length, best_first(expand, max_nodes, self.min_prob), costs)
         return None if tree.is_chain else tree
 
     def _sync(self, req_id: str, history: list[int], num_prompt: int) -> SuffixTrie:
@@ -281,6 +283,7 @@ class SuffixProposer:
         Preempted requests never come here: they keep their trie, which `_sync` extends when they resume.
         """
         _, num_prompt, history = self._local.pop(req_id, (None, 0, []))
+        self.trees.forget(req_id)
         if self.max_cached == 0:
             return
         output = history[num_prompt:]

@@ -141,30 +141,103 @@ def best_first(expand, budget: int, min_prob: float = 0.0) -> list[tuple[int, in
     return chosen
 
 
-def best_size(chosen: list[tuple[int, int, float]], cost) -> int:
+class Calibration:
+    """How often drafted nodes are accepted against the path probability their drafter gave them, learned
+    online over the engine's recent trees: a drafter's probabilities (a suffix trie's counts) are not
+    acceptance rates (Spec-Bench replays: nodes given ~0.5 are accepted ~0.1 of the time), and a tree sized
+    by them buys rows that do not pay. Per probability bin (fifths), the ratio of nodes accepted to the
+    probability given, starting from 1 (the drafter's word) and forgetting at DECAY a node."""
+
+    BINS = 5
+    DECAY = 0.998
+    PRIOR = 8.0  # the starting ratio weighs as this much probability per bin
+
+    def __init__(self) -> None:
+        self.given = [self.PRIOR] * self.BINS
+        self.accepted = [self.PRIOR] * self.BINS
+
+    def _bin(self, prob: float) -> int:
+        return min(int(prob * self.BINS), self.BINS - 1)
+
+    def observe(self, probs: list[float], accepted: set[int]) -> None:
+        """probs: each node's path probability as drafted; accepted: the nodes verification accepted."""
+        for node, prob in enumerate(probs):
+            b = self._bin(prob)
+            self.given[b] = self.given[b] * self.DECAY + prob
+            self.accepted[b] = self.accepted[b] * self.DECAY + (node in accepted)
+
+    def __call__(self, prob: float) -> float:
+        """The acceptance rate expected of a node drafted at path probability `prob`."""
+        b = self._bin(prob)
+        return min(1.0, prob * self.accepted[b] / self.given[b])
+
+
+def best_size(chosen: list[tuple[int, int, float]], cost, calibration: Calibration | None = None) -> int:
     """How many of best_first's nodes to verify: n with the most expected tokens per unit of cost,
-    (1 + the first n path probabilities) / cost(n), cost(0) = 1 (a plain step); the smallest on ties."""
+    (1 + the first n nodes' expected acceptance) / cost(n), cost(0) = 1 (a plain step); the smallest on
+    ties. A node's expected acceptance is its path probability, through `calibration` where given."""
     best_n, best, expected = 0, 1.0 / cost(0), 1.0
     for n, (_, _, prob) in enumerate(chosen, 1):
-        expected += prob
+        expected += calibration(prob) if calibration is not None else prob
         score = expected / cost(n)
         if score > best:
             best_n, best = n, score
     return best_n
 
 
-def preorder(chosen: list[tuple[int, int, float]]) -> DraftTree:
+def preorder(chosen: list[tuple[int, int, float]]) -> tuple[DraftTree, list[float]]:
     """best_first's nodes (parents first) as a DraftTree, each node's children in decreasing probability, so
-    the first path is the most probable chain."""
+    the first path is the most probable chain; with each tree node's path probability."""
     kids: dict[int, list[int]] = {}
     for i, (parent, _, _) in enumerate(chosen):
         kids.setdefault(parent, []).append(i)
-    tokens, parents = [], []
+    tokens, parents, probs = [], [], []
     stack = [(i, -1) for i in sorted(kids.get(-1, []), key=lambda i: chosen[i][2])]
     while stack:
         i, new_parent = stack.pop()
         tokens.append(chosen[i][1])
         parents.append(new_parent)
+        probs.append(chosen[i][2])
         here = len(tokens) - 1
         stack.extend((j, here) for j in sorted(kids.get(i, []), key=lambda j: chosen[j][2]))
-    return DraftTree(tuple(tokens), tuple(parents))
+    return DraftTree(tuple(tokens), tuple(parents)), probs
+
+
+def accepted_nodes(tree: DraftTree, tokens) -> list[int]:
+    """The path of `tree` that greedy verification accepts when the sequence goes on with `tokens`."""
+    path, node = [], -1
+    for token in tokens:
+        child = tree.children[node].get(token)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    return path
+
+
+class TreeChooser:
+    """What a tree drafter keeps between steps: its Calibration, learned from each request's last candidate
+    nodes (all of them, verified or not: greedy acceptance depends only on the tokens that come) once the
+    request's next tokens are known."""
+
+    def __init__(self) -> None:
+        self.calibration = Calibration()
+        self._last: dict[str, tuple[int, DraftTree, list[float]]] = {}  # history length, candidates, probs
+
+    def score(self, req_id: str, history: list[int]) -> None:
+        """The request's last candidates against the tokens that came after them."""
+        last = self._last.pop(req_id, None)
+        if last is not None and len(history) > last[0]:
+            length, tree, probs = last
+            self.calibration.observe(probs, set(accepted_nodes(tree, history[length:])))
+
+    def choose(self, req_id: str, length: int, chosen: list[tuple[int, int, float]], costs: list[float]
+               ) -> DraftTree:
+        """The tree of the first n candidates (best_first order) that gives the most expected tokens per unit
+        of cost (a chain, or empty, where that pays best); the candidates are kept to score. length: the
+        history's."""
+        self._last[req_id] = (length, *preorder(chosen))
+        return preorder(chosen[:best_size(chosen, costs.__getitem__, self.calibration)])[0]
+
+    def forget(self, req_id: str) -> None:
+        self._last.pop(req_id, None)

@@ -169,6 +169,7 @@ class ModelRunner:
         if self.proposer is not None and self.proposer.needs.kv is not None:
             self.drafter_kv = DrafterKVCache(self.proposer.needs.kv, num_blocks, self.block_size,
                                              getattr(self.model, "kv_window", 0))
+            self.drafter_kv.tree_scratch = list(self.tree_scratch)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

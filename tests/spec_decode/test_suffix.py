@@ -179,6 +179,12 @@ def test_trees_hold_the_most_probable_continuations_sized_by_step_cost():
     # a row at 30% of a step: the 1/3 branch does not pay for its rows; the best chain is drafted
     tokens, tree = tree_of(0.3)
     assert tree is None and tokens == [3, 7, 1]
+    # a request whose SamplingParams ask for chains gets the chain
+    inputs = make_inputs(["r"], [history], [3])
+    inputs.tree_costs, inputs.max_tree_nodes = (lambda option, n: [1.0] * (n + 1)), 16
+    inputs.sampling_params = [SamplingParams(draft_tree="chain")]
+    out = p.propose(inputs)
+    assert out.trees is None and out.token_ids == [[3, 7, 1]]
 
 
 def test_draft_length_grows_with_match_length():

@@ -144,3 +144,63 @@ def test_trees_keep_the_target_distribution(tiny_pair, tree_counts, sampling, se
     check_first_tokens_follow_the_target(hf, target, {"method": "suffix", "num_speculative_tokens": 3,
                                                       "draft_tree": "auto"}, sampling, seeded, every_position=False)
     assert tree_counts["trees"] > 100 and tree_counts["moved"] > 0, dict(tree_counts)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_trees_expand_each_node_on_its_own_path(tmp_path, tree_counts, method, monkeypatch):
+    """EAGLE-2 trees: a node's children come from the head fed along the node's path only. The tree's first
+    path (the likeliest child at each node) must then be the head's greedy chain from the same history, which
+    the chain drafter computes token by token: any wrong ancestor, position or stale key in the tree's
+    expansion changes it. And greedy output stays plain decoding's."""
+    from tests.models.drafter_checkpoints import write_eagle, write_eagle3
+
+    hf = tiny_hf_model("llama", seed=5, num_hidden_layers=4, initializer_range=0.3)
+    target = save_hf_folder(hf, tmp_path / "target")
+    head = (write_eagle3(str(tmp_path), hf.config, draft_vocab_size=96, aux_layer_ids=[0, 2, 3]) if method == "eagle3"
+            else write_eagle(str(tmp_path), hf.config)).folder
+    monkeypatch.setattr(DraftPolicy, "draft_costs", lambda self, option, n: [1.0 + 0.01 * k for k in range(n + 1)])
+    prompts, params = _prompts(3), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = dict(model=target, max_model_len=256, block_size=16, max_num_seqs=2)
+    plain = [o.outputs[0].token_ids for o in LLM(**base).generate(prompts, params, use_tqdm=False)]
+    drafted: dict[str, dict[tuple, list[int]]] = {}
+    for shape in ("chain", "auto"):
+        llm = LLM(**base, speculative_config=dict(method=method, model=head, num_speculative_tokens=4,
+                                                  draft_tree=shape, adaptive_draft_length=False))
+        proposer = llm.llm_engine.runner.proposer
+        propose, seen = proposer.propose, drafted.setdefault(shape, {})
+
+        def recording(inputs, propose=propose, seen=seen):
+            out = propose(inputs)
+            for i, history in enumerate(inputs.token_ids):
+                tree = out.trees[i] if out.trees is not None else None
+                tokens = [tree.tokens[v] for v in tree.first_path()] if tree is not None else out.token_ids[i]
+                if tokens:
+                    seen[tuple(history)] = tokens
+            return out
+
+        proposer.propose = recording
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    assert tree_counts["trees"] > 10
+    common = drafted["chain"].keys() & drafted["auto"].keys()
+    assert len(common) > 10
+    for history in common:
+        chain, first_path = drafted["chain"][history], drafted["auto"][history]
+        n = min(len(chain), len(first_path))
+        assert first_path[:n] == chain[:n], history
+
+
+def test_medusa_trees_keep_greedy_output(tmp_path, tree_counts, monkeypatch):
+    """Medusa's tree candidates (each head's top tokens at its depth, whatever the path) verified as trees."""
+    from tests.models.drafter_checkpoints import write_medusa
+
+    hf = tiny_hf_model("llama", seed=5, initializer_range=0.3)
+    target = save_hf_folder(hf, tmp_path / "target")
+    heads = write_medusa(str(tmp_path), hf.config, num_heads=3).folder
+    monkeypatch.setattr(DraftPolicy, "draft_costs", lambda self, option, n: [1.0 + 0.01 * k for k in range(n + 1)])
+    prompts, params = _prompts(3), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = dict(model=target, max_model_len=256, block_size=16)
+    plain = [o.outputs[0].token_ids for o in LLM(**base).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(**base, speculative_config=dict(method="medusa", model=heads, num_speculative_tokens=3,
+                                              draft_tree="auto", adaptive_draft_length=False))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    assert tree_counts["trees"] > 10

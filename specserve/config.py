@@ -113,7 +113,7 @@ AUTO_DRAFTERS = (*_MODEL_METHODS, "none")
 SELF_DRAFT_MIN_TARGET_BYTES = 1.5
 
 
-DRAFT_TREES = ("chain", "auto")
+DRAFT_TREES = ("chain", "auto", "static")
 
 
 @dataclass
@@ -141,11 +141,14 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
-    # specserve's own: "chain" drafts one continuation; "auto" lets drafters that can (suffix) propose a tree
-    # of continuations, sized per request and step by expected tokens per unit of measured step cost, up to
-    # draft_tree_max_nodes nodes (spec_decode/tree.py)
+    # specserve's own: "chain" drafts one continuation; "auto" lets drafters that can (TREE_METHODS) propose a
+    # tree of continuations, sized per request and step by expected tokens per unit of measured step cost, up
+    # to draft_tree_max_nodes nodes (spec_decode/tree.py); "static": the shape of speculative_token_tree
     draft_tree: str = "chain"
     draft_tree_max_nodes: int = 16
+    # vLLM's: a static tree, each node the path of child ranks from the root, e.g. "[(0,), (1,), (0, 0)]";
+    # given, draft_tree is "static"
+    speculative_token_tree: str | list | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -173,15 +176,32 @@ class SpeculativeConfig:
         if self.quantization is not None and self.method not in _MODEL_METHODS and self.method != "auto":
             raise ValueError(f"speculative_config.quantization applies to methods {', '.join(_MODEL_METHODS)} "
                              f"only, not {self.method!r}")
-        if self.draft_tree not in DRAFT_TREES:
-            raise ValueError(f"speculative_config.draft_tree must be one of {', '.join(DRAFT_TREES)}, "
-                             f"got {self.draft_tree!r}")
+        self._check_tree()
         if not isinstance(self.draft_tree_max_nodes, int) or not 1 <= self.draft_tree_max_nodes <= 64:
             raise ValueError("speculative_config.draft_tree_max_nodes must be an integer in [1, 64], "
                              f"got {self.draft_tree_max_nodes!r}")
         if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
             raise ValueError("suffix_decoding_max_tree_depth must be >= 1 and "
                              "suffix_decoding_max_cached_requests >= 0")
+
+    def _check_tree(self) -> None:
+        from specserve.spec_decode.tree import TREE_METHODS, parse_token_tree
+
+        if self.draft_tree not in DRAFT_TREES:
+            raise ValueError(f"speculative_config.draft_tree must be one of {', '.join(DRAFT_TREES)}, "
+                             f"got {self.draft_tree!r}")
+        self.token_tree_shape = None
+        if self.speculative_token_tree is not None:
+            if self.draft_tree == "auto":
+                raise ValueError("speculative_config: draft_tree 'auto' sizes trees itself; a static "
+                                 "speculative_token_tree goes with draft_tree 'static' (or none)")
+            self.draft_tree = "static"
+            self.token_tree_shape = parse_token_tree(self.speculative_token_tree)
+        elif self.draft_tree == "static":
+            raise ValueError("speculative_config.draft_tree 'static' needs speculative_token_tree")
+        if self.draft_tree != "chain" and self.method not in TREE_METHODS:
+            raise ValueError(f"speculative_config.draft_tree applies to methods {', '.join(TREE_METHODS)}, "
+                             f"not {self.method!r} (it drafts chains)")
 
     def _check_drafter(self) -> None:
         if self.method != "auto":

@@ -62,3 +62,23 @@ def test_auto_keeps_the_int8_self_draft_only_where_it_reads_fewer_bytes(bytes_pe
 def test_an_explicit_auto_drafter_is_kept_on_a_quantized_target():
     spec = SpeculativeConfig.from_dict({"method": "auto", "drafter": "draft_model"}, "some/model.gguf", 0.6)
     assert (spec.drafter, spec.model, spec.quantization) == ("draft_model", "some/model.gguf", "int8")
+
+
+def test_draft_tree_settings_are_checked():
+    from specserve.config import SpeculativeConfig
+
+    config = SpeculativeConfig(method="suffix", speculative_token_tree="[(0,), (1,), (0, 0)]")
+    assert config.draft_tree == "static" and config.token_tree_shape == ((0,), (1,), (0, 0))
+    for bad, message in [
+        (dict(method="suffix", draft_tree="wide"), "draft_tree must be one of"),
+        (dict(method="ngram", draft_tree="auto"), "draft_tree applies to methods"),
+        (dict(method="suffix", draft_tree="static"), "needs speculative_token_tree"),
+        (dict(method="suffix", draft_tree="auto", speculative_token_tree="[(0,)]"), "goes with draft_tree 'static'"),
+        (dict(method="suffix", speculative_token_tree="[(0,), (1, 0)]"), "without its parent"),
+        (dict(method="suffix", speculative_token_tree="[(0,), (0,)]"), "twice"),
+        (dict(method="suffix", speculative_token_tree="[(0, -1)]"), "ranks >= 0"),
+        (dict(method="suffix", speculative_token_tree="(0"), "list of tuples of ranks"),
+        (dict(method="suffix", draft_tree="auto", draft_tree_max_nodes=0), "draft_tree_max_nodes"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig(**bad)

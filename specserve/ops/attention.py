@@ -271,6 +271,29 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    """Block src into block dst, for (src, dst) in pairs, in every layer's keys and values."""
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+    for k_cache, v_cache in kv_caches:
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]
+
+
+def copy_slots(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]],
+               block_size: int) -> None:
+    """Slot src's K/V into slot dst, for (src, dst) in pairs in order, in every layer."""
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+    for k_cache, v_cache in kv_caches:
+        k_cache[dst // block_size, dst % block_size] = k_cache[src // block_size, src % block_size]
+        v_cache[dst // block_size, dst % block_size] = v_cache[src // block_size, src % block_size]
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """q: [N, H, D]; k, v: [N, Hkv, D] (this step's); returns [N, H * D]. window: 0, or the layer's sliding

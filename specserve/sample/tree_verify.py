@@ -25,7 +25,7 @@ import torch
 
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_probs, gather_logprobs, random_sample
-from specserve.spec_decode.tree import DraftTree
+from specserve.sample.draft_tree import DraftTree
 
 
 @dataclass

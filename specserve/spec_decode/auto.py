@@ -23,6 +23,7 @@ from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.policy import DraftOption
 from specserve.spec_decode.proposer import DraftInputs, DrafterNeeds, Drafts, TargetInfo, TargetStates
 from specserve.spec_decode.suffix import SuffixProposer
+from specserve.spec_decode.tree import TREE_METHODS
 from specserve.types import max_draft_tokens
 
 # A model drafter's time per draft token, in target steps, until measured, where the drafter does not price
@@ -38,6 +39,8 @@ class AutoProposer:
         from specserve.spec_decode.proposer import make_proposer
 
         def part(method: str, key: str, **extra):
+            if method not in TREE_METHODS:  # drafts chains
+                extra.update(draft_tree="chain", speculative_token_tree=None)
             return replace(spec_config, method=method, num_speculative_tokens=spec_config.num_tokens_for(key),
                            drafter=None, **extra)
 

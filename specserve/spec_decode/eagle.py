@@ -15,6 +15,7 @@ head's distribution under the request's sampling parameters, with those probabil
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +25,9 @@ from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.draw import draft_chains, draft_sampling_metadata, draw
 from specserve.spec_decode.proposer import (DraftInputs, KVCacheSpec, DrafterNeeds, Drafts, TargetInfo,
                                             TargetStates)
-from specserve.spec_decode.tree import DraftTree, TreeChooser
-from specserve.worker.tree_step import copy_blocks
+from specserve.sample.draft_tree import DraftTree
+from specserve.spec_decode.tree import TreeChooser
+from specserve.ops.attention import copy_blocks
 
 
 # A request's deferred rows past which they are written anyway: bounds the states kept aside (EAGLE-3 keeps
@@ -116,7 +118,10 @@ class EagleProposer:
         blocks hold (each expanded node's path takes up to two)."""
         if inputs.tree_costs is None or not kv.tree_scratch:
             return []
-        fit = len(kv.tree_scratch) // (4 * TREE_TOP_K)  # this depth's paths and the next's
+        width = TREE_TOP_K
+        if inputs.tree_shape:  # a static shape expands its nodes that have children
+            width = max(width, max(Counter(len(n) for n in _expandable(inputs.tree_shape)).values(), default=0))
+        fit = len(kv.tree_scratch) // (4 * width)  # this depth's paths and the next's
         return [i for i in rows if inputs.wants_tree(i)][:fit]
 
     def _draft_trees(self, inputs: DraftInputs, kv: DrafterKVCache, rows: list[int], g: torch.Tensor
@@ -128,25 +133,37 @@ class EagleProposer:
         candidates as far as they pay. An expanded node attends to the context and its ancestors only: its
         path is a sequence of its own in the head's KV, its ancestors in scratch blocks (tree_step's scheme),
         copied from its parent's. Drafts are top-k tokens (q one-hot), so verification stays lossless for
-        sampling requests too."""
-        bs = kv.block_size
-        # per request: candidates (parent candidate or -1, token, path probability), and the frontier:
-        # (candidate, its depth, the head output it is drawn from, its path's tail blocks)
+        sampling requests too. With a static shape (inputs.tree_shape), exactly its nodes are grown (node
+        (r_1, ..., r_d): the r_d-th likeliest child of its parent) and verified, up to num_drafts deep."""
+        bs, shape = kv.block_size, inputs.tree_shape
+        width = max(TREE_TOP_K, 1 + max(max(n) for n in shape)) if shape else TREE_TOP_K
+        # per request: candidates (parent candidate or -1, token, path probability) with their rank paths,
+        # and the frontier: (request, candidate, its depth, the head output it is drawn from, its path's tail
+        # blocks)
         cands: dict[int, list[tuple[int, int, float]]] = {i: [] for i in rows}
+        ranks: dict[int, list[tuple[int, ...]]] = {i: [] for i in rows}
         frontier = [(i, -1, 0, g[j], []) for j, i in enumerate(rows)]  # the root: draws depth 1
         free = list(kv.tree_scratch)
         while frontier:
             outputs = torch.stack([f[3] for f in frontier])
             probs = self.head.compute_logits(outputs).softmax(-1)
-            top_p, top_ids = probs.topk(min(TREE_TOP_K, probs.shape[-1]), dim=-1)
+            top_p, top_ids = probs.topk(min(width, probs.shape[-1]), dim=-1)
             top_ids = self.head.draft_to_target(top_ids)
             grown: dict[int, list[int]] = {}
             for (i, node, depth, _, _), ps, ids in zip(frontier, top_p.tolist(), top_ids.tolist()):
-                base = cands[i][node][2] if node >= 0 else 1.0
-                for p, t in zip(ps, ids):
+                base, path = (cands[i][node][2], ranks[i][node]) if node >= 0 else (1.0, ())
+                for rank, (p, t) in enumerate(zip(ps, ids)):
+                    if shape is not None and path + (rank,) not in shape:
+                        continue
                     cands[i].append((node, t, base * p))
+                    ranks[i].append(path + (rank,))
                     grown.setdefault(i, []).append(len(cands[i]) - 1)
+            if shape is not None:  # the nodes with children in the shape
+                expandable = _expandable(shape)
+                grown = {i: [c for c in new if ranks[i][c] in expandable] for i, new in grown.items()}
             frontier = self._expand(inputs, kv, frontier, cands, grown, free, bs)
+        if shape is not None:
+            return {i: self.trees.fixed(inputs.req_ids[i], len(inputs.token_ids[i]), cands[i]) for i in rows}
         trees = {}
         costs = None
         for i in rows:
@@ -160,15 +177,17 @@ class EagleProposer:
         return trees
 
     def _expand(self, inputs: DraftInputs, kv: DrafterKVCache, frontier, cands, grown, free: list[int], bs: int):
-        """The next frontier: per request the TREE_TOP_K likeliest candidates just grown (while within its
-        draft length), fed through the head in one pass, each on its own path's blocks."""
+        """The next frontier: per request the TREE_TOP_K likeliest candidates just grown (a static shape: all
+        of `grown`) while within its draft length, fed through the head in one pass, each on its own path's
+        blocks."""
         nxt = []
         for i, new in grown.items():
             depth = next(f[2] for f in frontier if f[0] == i) + 1
             if depth >= inputs.num_drafts[i]:
                 continue
             parents = {f[1]: f for f in frontier if f[0] == i}
-            for c in sorted(new, key=lambda c: -cands[i][c][2])[:TREE_TOP_K]:
+            keep = len(new) if inputs.tree_shape is not None else TREE_TOP_K
+            for c in sorted(new, key=lambda c: -cands[i][c][2])[:keep]:
                 nxt.append((i, c, depth, parents[cands[i][c][0]]))
         if not nxt:
             for f in frontier:
@@ -257,6 +276,11 @@ class EagleProposer:
         meta = draft_sampling_metadata(inputs, rows, self.head.vocab_size)
         return draw(meta, lambda: self.head.greedy_tokens(g), lambda: self.head.logits_in_target_vocab(g), allowed,
                     step)
+
+
+def _expandable(shape: tuple[tuple[int, ...], ...]) -> set[tuple[int, ...]]:
+    """The nodes of a static shape that have children in it."""
+    return {node[:-1] for node in shape if len(node) > 1}
 
 
 def _parents_first(order: list[int], cands: list[tuple[int, int, float]]) -> list[int]:

@@ -18,7 +18,7 @@ import torch
 from specserve.models.drafter_loader import build_drafter_head, load_drafter_checkpoint
 from specserve.spec_decode.draw import draft_sampling_metadata, draw
 from specserve.spec_decode.proposer import DraftInputs, DrafterNeeds, Drafts, TargetInfo, TargetStates
-from specserve.spec_decode.tree import TreeChooser, best_first
+from specserve.spec_decode.tree import TreeChooser, best_first, static_candidates
 
 TREE_TOP_K = 4  # candidates each head offers at its depth
 
@@ -78,7 +78,9 @@ class MedusaProposer:
         if not rows:
             return {}
         depth = max(inputs.num_drafts[i] for i in rows)
-        top = [self.heads.head_logits(k, states[k]).softmax(-1).topk(TREE_TOP_K, dim=-1) for k in range(depth)]
+        shape = inputs.tree_shape
+        width = max(TREE_TOP_K, 1 + max(max(node) for node in shape)) if shape else TREE_TOP_K
+        top = [self.heads.head_logits(k, states[k]).softmax(-1).topk(width, dim=-1) for k in range(depth)]
         costs = inputs.tree_costs(0, inputs.max_tree_nodes)
         trees = {}
         for j, i in enumerate(rows):
@@ -88,6 +90,11 @@ class MedusaProposer:
                 d = d or 0
                 return [(t, p, d + 1) for t, p in options[d] if p > 0] if d < cap else []
 
-            chosen = best_first(expand, inputs.max_tree_nodes)
-            trees[i] = self.trees.choose(inputs.req_ids[i], len(inputs.token_ids[i]), chosen, costs)
+            length = len(inputs.token_ids[i])
+            if shape is not None:
+                trees[i] = self.trees.fixed(inputs.req_ids[i], length,
+                                            static_candidates(shape, expand, inputs.num_drafts[i]))
+            else:
+                trees[i] = self.trees.choose(inputs.req_ids[i], length, best_first(expand, inputs.max_tree_nodes),
+                                             costs)
         return trees

@@ -111,6 +111,8 @@ class DraftInputs:
     # its trees by (spec_decode/tree.py best_size), up to max_tree_nodes nodes.
     tree_costs: Callable[[int, int], list[float]] | None = None
     max_tree_nodes: int = 0
+    # A static tree shape (spec_decode/tree.py parse_token_tree) to draft instead of sized trees, or None.
+    tree_shape: tuple[tuple[int, ...], ...] | None = None
 
     def asking(self, num_drafts: list[int]) -> DraftInputs:
         """The same inputs asking for other draft counts (no plans): a shallow copy that shares the rest."""

@@ -11,7 +11,8 @@ import math
 from collections import deque
 
 from specserve.spec_decode.proposer import DraftInputs, DrafterNeeds, Drafts
-from specserve.spec_decode.tree import DraftTree, TreeChooser, best_first
+from specserve.sample.draft_tree import DraftTree
+from specserve.spec_decode.tree import TreeChooser, best_first, static_candidates
 
 
 class _Node:
@@ -216,7 +217,7 @@ class SuffixProposer:
                 if source is not None and inputs.wants_tree(i):
                     if costs is None:
                         costs = inputs.tree_costs(option, inputs.max_tree_nodes)
-                    tree = self._tree(req_id, len(history), source, cap, inputs.max_tree_nodes, costs)
+                    tree = self._tree(req_id, len(history), source, cap, inputs, costs)
                     if tree is not None:
                         tokens = list(tree.tokens)
                 drafts.append(tokens)
@@ -227,7 +228,7 @@ class SuffixProposer:
             trees.append(tree)
         return Drafts(token_ids=drafts, trees=trees if any(t is not None for t in trees) else None)
 
-    def _tree(self, req_id: str, length: int, source, depth_limit: int, max_nodes: int,
+    def _tree(self, req_id: str, length: int, source, depth_limit: int, inputs: DraftInputs,
               costs: list[float]) -> DraftTree | None:
         """The continuations of the best match as a tree (most probable nodes first, within depth_limit of the
         match and suffix_decoding_min_token_prob), sized by expected tokens per unit of cost, each node's
@@ -241,7 +242,11 @@ class SuffixProposer:
                 return []
             return trie.continuations(at, depth)
 
-        tree = self.trees.choose(req_id, length, best_first(expand, max_nodes, self.min_prob), costs)
+        if inputs.tree_shape is not None:  # the static shape, the trie's children ranked by count
+            tree = self.trees.fixed(req_id, length, static_candidates(inputs.tree_shape, expand, depth_limit))
+        else:
+            tree = self.trees.choose(req_id, length, best_first(expand, inputs.max_tree_nodes, self.min_prob),
+                                     costs)
         return None if tree.is_chain else tree
 
     def _sync(self, req_id: str, history: list[int], num_prompt: int) -> SuffixTrie:

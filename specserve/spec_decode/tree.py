@@ -1,116 +1,15 @@
-"""Draft trees: several continuations verified in one step (SpecInfer, Miao et al. 2023; Medusa; EAGLE-2).
-
-A tree's nodes are draft tokens in depth-first preorder; node i's parent is an earlier node or -1, the step's
-input token (the root: the request's newest token, at depth 0). Siblings carry distinct tokens, so a node is
-one candidate continuation. Preorder keeps every prefix of the node list a tree (the scheduler may cut drafts
-short) and puts each root-to-leaf path's own nodes next to each other, so each path is verified as a chain
-(worker/tree_step.py).
-
-A chain of k drafts is the tree whose node i has parent i - 1.
+"""How drafters grow draft trees (sample/draft_tree.py) and how many nodes they keep: candidates best-first by
+path probability, a static shape (vLLM's speculative_token_tree), and the size that gives the most expected
+tokens per unit of step cost, with the drafter's probabilities calibrated by the acceptance seen.
 """
 from __future__ import annotations
 
+import ast
 import heapq
-from dataclasses import dataclass
-from functools import cached_property
 
+from specserve.sample.draft_tree import DraftTree, accepted_nodes
 
-@dataclass(frozen=True)
-class DraftTree:
-    tokens: tuple[int, ...]
-    parents: tuple[int, ...]  # per node, the index of its parent node, -1 for the root
-
-    def __post_init__(self) -> None:
-        if len(self.tokens) != len(self.parents):
-            raise ValueError(f"a draft tree needs one parent per token, got {len(self.tokens)} tokens and "
-                             f"{len(self.parents)} parents")
-        path: list[int] = []  # the ancestors of the previous node, itself included
-        seen: set[tuple[int, int]] = set()
-        for i, (token, parent) in enumerate(zip(self.tokens, self.parents)):
-            if parent != -1 and parent not in path:
-                raise ValueError(f"draft tree node {i}: parent {parent} is not an ancestor of node {i - 1} or "
-                                 "the root (nodes must be in depth-first preorder)")
-            if (parent, token) in seen:
-                raise ValueError(f"draft tree node {i}: token {token} repeats a sibling's")
-            seen.add((parent, token))
-            del path[path.index(parent) + 1 if parent != -1 else 0:]
-            path.append(i)
-
-    @classmethod
-    def chain(cls, tokens) -> DraftTree:
-        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
-
-    @classmethod
-    def from_paths(cls, paths) -> DraftTree:
-        """The tree of these token paths from the root (shared prefixes merged), paths in the given order:
-        node order is the preorder visiting children in the order their first path came."""
-        trie: dict = {}
-        for path in paths:
-            level = trie
-            for token in path:
-                level = level.setdefault(token, {})
-        tokens, parents = [], []
-
-        def visit(level: dict, parent: int) -> None:
-            for token, below in level.items():
-                tokens.append(token)
-                parents.append(parent)
-                visit(below, len(tokens) - 1)
-
-        visit(trie, -1)
-        return cls(tuple(tokens), tuple(parents))
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @cached_property
-    def depths(self) -> tuple[int, ...]:
-        """Per node, its depth: 1 for a child of the root."""
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-        return tuple(depths)
-
-    @property
-    def depth(self) -> int:
-        return max(self.depths, default=0)
-
-    @cached_property
-    def is_chain(self) -> bool:
-        return all(p == i - 1 for i, p in enumerate(self.parents))
-
-    @cached_property
-    def children(self) -> dict[int, dict[int, int]]:
-        """node (-1: the root) -> {token: child node}, children in node order."""
-        out: dict[int, dict[int, int]] = {-1: {}}
-        for i, (token, parent) in enumerate(zip(self.tokens, self.parents)):
-            out.setdefault(parent, {})[token] = i
-            out.setdefault(i, {})
-        return out
-
-    def path_to(self, node: int) -> list[int]:
-        """The nodes from the root's child down to `node` (empty for the root, -1)."""
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
-
-    @cached_property
-    def leaves(self) -> tuple[int, ...]:
-        """Nodes without children, in preorder: one per root-to-leaf path."""
-        return tuple(i for i in range(len(self)) if not self.children[i])
-
-    def prefix(self, n: int) -> DraftTree:
-        """The first n nodes: a tree again (preorder)."""
-        return DraftTree(self.tokens[:n], self.parents[:n])
-
-    def first_path(self) -> list[int]:
-        """The nodes of the first root-to-leaf path: 0, 1, ... while each is its predecessor's child."""
-        n = 0
-        while n < len(self) and self.parents[n] == n - 1:
-            n += 1
-        return list(range(n))
+TREE_METHODS = ("suffix", "eagle", "eagle3", "medusa", "auto")  # the drafters that can propose trees
 
 
 def best_first(expand, budget: int, min_prob: float = 0.0) -> list[tuple[int, int, float]]:
@@ -203,18 +102,6 @@ def preorder(chosen: list[tuple[int, int, float]]) -> tuple[DraftTree, list[floa
     return DraftTree(tuple(tokens), tuple(parents)), probs
 
 
-def accepted_nodes(tree: DraftTree, tokens) -> list[int]:
-    """The path of `tree` that greedy verification accepts when the sequence goes on with `tokens`."""
-    path, node = [], -1
-    for token in tokens:
-        child = tree.children[node].get(token)
-        if child is None:
-            break
-        path.append(child)
-        node = child
-    return path
-
-
 class TreeChooser:
     """What a tree drafter keeps between steps: its Calibration, learned from each request's last candidate
     nodes (all of them, verified or not: greedy acceptance depends only on the tokens that come) once the
@@ -239,5 +126,63 @@ class TreeChooser:
         self._last[req_id] = (length, *preorder(chosen))
         return preorder(chosen[:best_size(chosen, costs.__getitem__, self.calibration)])[0]
 
+    def fixed(self, req_id: str, length: int, chosen: list[tuple[int, int, float]]) -> DraftTree:
+        """The tree of all these candidates (a static shape's), kept to score like choose's."""
+        tree, probs = preorder(chosen)
+        self._last[req_id] = (length, tree, probs)
+        return tree
+
     def forget(self, req_id: str) -> None:
         self._last.pop(req_id, None)
+
+
+def parse_token_tree(spec) -> tuple[tuple[int, ...], ...]:
+    """vLLM's speculative_token_tree: a list of nodes, each the path of child ranks from the root ((0,) the
+    likeliest first draft, (0, 1) the second likeliest after it, ...), given as a list or its string;
+    returned sorted by depth. Every node's parent must be listed too."""
+    if isinstance(spec, str):
+        try:
+            spec = ast.literal_eval(spec)
+        except (ValueError, SyntaxError) as exc:
+            raise ValueError(f"speculative_token_tree must be a list of tuples of ranks, e.g. "
+                             f"\"[(0,), (1,), (0, 0)]\": {exc}") from None
+    if not isinstance(spec, (list, tuple)) or not spec:
+        raise ValueError(f"speculative_token_tree must be a non-empty list of tuples of ranks, got {spec!r}")
+    nodes = []
+    for node in spec:
+        if (not isinstance(node, (list, tuple)) or not node
+                or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in node)):
+            raise ValueError(f"speculative_token_tree: each node must be a non-empty tuple of ranks >= 0, got {node!r}")
+        nodes.append(tuple(node))
+    if len(set(nodes)) != len(nodes):
+        raise ValueError("speculative_token_tree lists a node twice")
+    missing = [n for n in nodes if len(n) > 1 and n[:-1] not in set(nodes)]
+    if missing:
+        raise ValueError(f"speculative_token_tree: node {missing[0]} is listed without its parent {missing[0][:-1]}")
+    if len(nodes) > 64:
+        raise ValueError(f"speculative_token_tree has {len(nodes)} nodes; at most 64")
+    return tuple(sorted(nodes, key=lambda n: (len(n), n)))
+
+
+def static_candidates(shape: tuple[tuple[int, ...], ...], expand, max_depth: int) -> list[tuple[int, int, float]]:
+    """A static tree's nodes (parse_token_tree) realized from a drafter's candidates: node (r_1, ..., r_d) is
+    the r_d-th likeliest child of node (r_1, ..., r_d-1) under expand(state) -> [(token, conditional
+    probability, child state)] (state None for the root); nodes the drafter offers no such child for are left
+    out with their subtrees, and so are nodes deeper than max_depth. As best_first's: (parent index, token,
+    path probability), parents first."""
+    placed: dict[tuple[int, ...], tuple[int, float, object]] = {(): (-1, 1.0, None)}
+    offered: dict[tuple[int, ...], list] = {}
+    out: list[tuple[int, int, float]] = []
+    for node in shape:
+        parent = placed.get(node[:-1])
+        if parent is None or len(node) > max_depth:
+            continue
+        if node[:-1] not in offered:
+            offered[node[:-1]] = sorted(expand(parent[2]), key=lambda c: -c[1])
+        children = offered[node[:-1]]
+        if node[-1] >= len(children):
+            continue
+        token, prob, state = children[node[-1]]
+        out.append((parent[0], token, parent[1] * prob))
+        placed[node] = (len(out) - 1, parent[1] * prob, state)
+    return out

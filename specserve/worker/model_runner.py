@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from specserve.ops.attention import build_attention_metadata, kv_caches, slot_ids
+from specserve.ops.attention import build_attention_metadata, copy_blocks, copy_slots, kv_caches, slot_ids
 from specserve.ops.kernels import kernel_usable
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_targets
@@ -21,14 +21,14 @@ from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.policy import DraftOption, DraftPolicy
 from specserve.spec_decode.proposer import (DraftInputs, DrafterNeeds, KVCacheSpec, Proposer, TargetInfo,
                                             TargetStates, make_proposer)
-from specserve.spec_decode.tree import DraftTree
+from specserve.sample.draft_tree import DraftTree
 from specserve.types import RequestFailure, SchedulerOutput, max_draft_tokens
 from specserve.worker.calibration import StepCalibrator
 from specserve.worker.input_batch import (CachedRequestState, InputBatch, ModelRunnerOutput, positions_at,
                                           with_image_positions)
 from specserve.worker.structured import GrammarRequests
 from specserve.worker.threads import ThreadPolicy
-from specserve.worker.tree_step import TreeStep, accepted_moves, copy_blocks, copy_slots, fit_to_scratch, layout
+from specserve.worker.tree_step import TreeStep, accepted_moves, fit_to_scratch, layout
 
 # Scratch blocks for draft trees' paths other than the first (worker/tree_step.py), outside the scheduler's
 # pool: a tree of 16 nodes and 8 leaves needs at most 14.
@@ -603,7 +603,9 @@ class ModelRunner:
         needs = self.proposer.needs
         if self.drafts_trees and self.tree_scratch:
             inputs.tree_costs = self.draft_policy.draft_costs
-            inputs.max_tree_nodes = self.spec_config.draft_tree_max_nodes
+            inputs.tree_shape = self.spec_config.token_tree_shape
+            inputs.max_tree_nodes = (len(inputs.tree_shape) if inputs.tree_shape
+                                     else self.spec_config.draft_tree_max_nodes)
         if needs.kv is not None or needs.reads_target_kv:  # its slots follow the target's block tables
             inputs.block_tables = {rid: self.requests[rid].block_ids for rid in batch.req_ids}
         if needs.target_states is not TargetStates.NONE:

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from specserve.spec_decode.tree import DraftTree
+from specserve.sample.draft_tree import DraftTree
 
 
 @dataclass
@@ -126,26 +124,3 @@ def accepted_moves(step: TreeStep, accepted: list[int], table: list[int], block_
         if src != dst:
             moves.append((src, dst))
     return moves
-
-
-def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
-    """Block src into block dst, for (src, dst) in pairs, in every layer's keys and values."""
-    if not pairs:
-        return
-    src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-    dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
-    for k_cache, v_cache in kv_caches:
-        k_cache[dst] = k_cache[src]
-        v_cache[dst] = v_cache[src]
-
-
-def copy_slots(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]],
-               block_size: int) -> None:
-    """Slot src's K/V into slot dst, for (src, dst) in pairs in order, in every layer."""
-    if not pairs:
-        return
-    src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-    dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
-    for k_cache, v_cache in kv_caches:
-        k_cache[dst // block_size, dst % block_size] = k_cache[src // block_size, src % block_size]
-        v_cache[dst // block_size, dst % block_size] = v_cache[src // block_size, src % block_size]

@@ -11,7 +11,7 @@ from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.sampler import compute_probs, tree_sample
 from specserve.sample.tree_verify import verify_tree_argmax, verify_tree_random
 from specserve.sampling_params import SamplingParams
-from specserve.spec_decode.tree import DraftTree
+from specserve.sample.draft_tree import DraftTree
 from tests.spec_decode.test_spec_sampling_e2e import chi_square_p_value
 
 VOCAB = 6

@@ -10,6 +10,7 @@ from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.proposer import DraftInputs
 from specserve.spec_decode.suffix import SuffixProposer, SuffixTrie, _Node
+from specserve.spec_decode.tree import parse_token_tree
 from tests.tiny_models import save_hf_folder, tiny_hf_model
 
 
@@ -179,6 +180,13 @@ def test_trees_hold_the_most_probable_continuations_sized_by_step_cost():
     # a row at 30% of a step: the 1/3 branch does not pay for its rows; the best chain is drafted
     tokens, tree = tree_of(0.3)
     assert tree is None and tokens == [3, 7, 1]
+    # a static shape (vLLM's speculative_token_tree): children by rank, the likeliest first
+    inputs = make_inputs(["r"], [history], [3])
+    inputs.tree_costs, inputs.max_tree_nodes = (lambda option, n: [1.0] * (n + 1)), 4
+    inputs.tree_shape = parse_token_tree("[(0,), (1,), (0, 0), (2,), (1, 0), (1, 0, 0), (1, 0, 0, 0)]")
+    tree = p.propose(inputs).trees[0]
+    # ranks (2,) does not exist (two children), (1, 0, 0, 0) is deeper than num_drafts
+    assert tree.tokens == (3, 7, 4, 7, 1) and tree.parents == (-1, 0, -1, 2, 3)
     # a request whose SamplingParams ask for chains gets the chain
     inputs = make_inputs(["r"], [history], [3])
     inputs.tree_costs, inputs.max_tree_nodes = (lambda option, n: [1.0] * (n + 1)), 16

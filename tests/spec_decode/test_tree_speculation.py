@@ -14,7 +14,7 @@ import pytest
 
 from specserve.spec_decode.policy import DraftPolicy
 from specserve.spec_decode.proposer import Drafts
-from specserve.spec_decode.tree import DraftTree
+from specserve.sample.draft_tree import DraftTree
 
 import specserve.worker.model_runner as model_runner
 from specserve.llm import LLM
@@ -204,3 +204,31 @@ def test_medusa_trees_keep_greedy_output(tmp_path, tree_counts, monkeypatch):
                                               draft_tree="auto", adaptive_draft_length=False))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
     assert tree_counts["trees"] > 10
+
+
+@pytest.mark.parametrize("method", ["eagle3", "medusa"])
+def test_a_static_token_tree_is_drafted_in_its_shape(tmp_path, method, monkeypatch):
+    """vLLM's speculative_token_tree: every tree verified has the shape's nodes (as far as the drafter offers
+    them within num_speculative_tokens), and greedy output stays plain decoding's."""
+    from tests.models.drafter_checkpoints import write_eagle3, write_medusa
+
+    hf = tiny_hf_model("llama", seed=5, num_hidden_layers=4, initializer_range=0.3)
+    target = save_hf_folder(hf, tmp_path / "target")
+    drafter = (write_eagle3(str(tmp_path), hf.config, draft_vocab_size=96, aux_layer_ids=[0, 2, 3]) if method == "eagle3"
+               else write_medusa(str(tmp_path), hf.config, num_heads=3)).folder
+    shape = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    sizes = Counter()
+    layout = model_runner.layout
+
+    def recording(tree, *args):
+        sizes[len(tree)] += 1
+        return layout(tree, *args)
+
+    monkeypatch.setattr(model_runner, "layout", recording)
+    prompts, params = _prompts(3), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = dict(model=target, max_model_len=256, block_size=16, max_num_seqs=2)
+    plain = [o.outputs[0].token_ids for o in LLM(**base).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(**base, speculative_config=dict(method=method, model=drafter, num_speculative_tokens=3,
+                                              speculative_token_tree=str(shape), adaptive_draft_length=False))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    assert sizes[len(shape)] > 10 and max(sizes) == len(shape), sizes

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from specserve.models.registry import build_model
-from specserve.ops.attention import build_attention_metadata, kernel_key_layout, kv_caches, paged_attention, \
-    paged_metadata
+from specserve.ops.attention import build_attention_metadata, copy_blocks, copy_slots, kernel_key_layout, kv_caches, \
+    paged_attention, paged_metadata
 from specserve.ops.kernels import kernel_usable
-from specserve.spec_decode.tree import DraftTree
-from specserve.worker.tree_step import accepted_moves, copy_blocks, copy_slots, fit_to_scratch, layout
+from specserve.sample.draft_tree import DraftTree
+from specserve.worker.tree_step import accepted_moves, fit_to_scratch, layout
 from tests.tiny_models import hf_config_dict, hf_state_dict, tiny_hf_model
 
 BLOCK = 16

@@ -186,3 +186,46 @@ def static_candidates(shape: tuple[tuple[int, ...], ...], expand, max_depth: int
         out.append((parent[0], token, parent[1] * prob))
         placed[node] = (len(out) - 1, parent[1] * prob, state)
     return out
+
+
+class ShapeChooser:
+    """Whether trees or chains are drafted (draft_tree "auto"), by the throughput each gives on this engine:
+    the step time a tree saves or costs depends on the drafter's own work (EAGLE-2 expands several nodes a
+    depth), the extra verification rows and the acceptance they buy, which no price table holds together.
+    Steps run in epochs of EPOCH decode steps with one shape; an epoch scores tokens emitted per second of
+    its steps (all of execute_model: the forward, verification and drafting). Both shapes are tried until
+    each has TRIALS epochs, then the better one (by a decaying mean) runs, and the other every EXPLORE-th
+    epoch, so a change of workload or host is followed."""
+
+    EPOCH, TRIALS, EXPLORE, KEEP = 8, 2, 6, 0.7
+
+    def __init__(self) -> None:
+        self.rate = [0.0, 0.0]  # chains, trees: decaying mean of an epoch's tokens per second
+        self.epochs = [0, 0]
+        self.shape = 1  # this epoch's (trees first)
+        self.steps, self.tokens, self.seconds = 0, 0, 0.0
+        self.count = 0  # epochs so far
+
+    @property
+    def trees(self) -> bool:
+        return self.shape == 1
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One decode step: the tokens it emitted and its time, drafting included."""
+        self.steps += 1
+        if self.steps == 1:  # verifies the other shape's drafts: not counted
+            return
+        self.tokens += tokens
+        self.seconds += seconds
+        if self.steps < self.EPOCH:
+            return
+        rate, shape = self.tokens / self.seconds if self.seconds > 0 else 0.0, self.shape
+        self.rate[shape] = rate if not self.epochs[shape] else self.KEEP * self.rate[shape] + (1 - self.KEEP) * rate
+        self.epochs[shape] += 1
+        self.count += 1
+        self.steps, self.tokens, self.seconds = 0, 0, 0.0
+        if min(self.epochs) < self.TRIALS:
+            self.shape = 1 - shape
+        else:
+            best = int(self.rate[1] > self.rate[0])
+            self.shape = 1 - best if self.count % self.EXPLORE == 0 else best

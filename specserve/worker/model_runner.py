@@ -22,6 +22,7 @@ from specserve.spec_decode.policy import DraftOption, DraftPolicy
 from specserve.spec_decode.proposer import (DraftInputs, DrafterNeeds, KVCacheSpec, Proposer, TargetInfo,
                                             TargetStates, make_proposer)
 from specserve.sample.draft_tree import DraftTree
+from specserve.spec_decode.tree import ShapeChooser
 from specserve.types import RequestFailure, SchedulerOutput, max_draft_tokens
 from specserve.worker.calibration import StepCalibrator
 from specserve.worker.input_batch import (CachedRequestState, InputBatch, ModelRunnerOutput, positions_at,
@@ -80,6 +81,7 @@ class ModelRunner:
         self.tree_scratch: list[int] = []
         self.tree_steps: dict[str, TreeStep] = {}
         self.tree_accepted: dict[str, list[int]] = {}
+        self.shapes = ShapeChooser()  # draft_tree "auto": trees or chains, by the throughput each gives
 
     def _build_proposer(self) -> None:
         """The proposer and its draft policy as a new engine has them."""
@@ -186,6 +188,8 @@ class ModelRunner:
             if self.proposer is not None and self._is_decode_step(batch):  # the measured cost of drafting
                 self.draft_policy.observe_step(len(batch.req_ids), len(batch.input_ids), time.perf_counter() - start)
             drafts = self.propose_draft_token_ids(batch, sampled, hidden, aux)
+        if self.tree_scratch and self._is_decode_step(batch):
+            self.shapes.observe(sum(map(len, sampled.values())), time.perf_counter() - start)
         options = self.draft_policy.options
         return ModelRunnerOutput(batch.req_ids, sampled, drafts, logprobs, {  # who drafted each request's drafts
             rid: "grammar" if rid in self.forced_drafts else options[self.draft_sources.get(rid, 0)].name
@@ -601,7 +605,7 @@ class ModelRunner:
             allowed_next=self.grammars.allowed_next(list(req_ids)) if self.grammars else None,
         )
         needs = self.proposer.needs
-        if self.drafts_trees and self.tree_scratch:
+        if self.drafts_trees and self.tree_scratch and (self.shapes.trees or self.spec_config.token_tree_shape):
             inputs.tree_costs = self.draft_policy.draft_costs
             inputs.tree_shape = self.spec_config.token_tree_shape
             inputs.max_tree_nodes = (len(inputs.tree_shape) if inputs.tree_shape

@@ -232,3 +232,28 @@ def test_a_static_token_tree_is_drafted_in_its_shape(tmp_path, method, monkeypat
                                               speculative_token_tree=str(shape), adaptive_draft_length=False))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
     assert sizes[len(shape)] > 10 and max(sizes) == len(shape), sizes
+
+
+def test_shape_chooser_runs_the_shape_with_more_throughput_and_keeps_checking_the_other():
+    from specserve.spec_decode.tree import ShapeChooser
+
+    for tree_rate, chain_rate in [(120.0, 100.0), (80.0, 100.0)]:
+        chooser, used = ShapeChooser(), []
+        for _ in range(60 * ShapeChooser.EPOCH):
+            used.append(chooser.trees)
+            chooser.observe(1, 1.0 / (tree_rate if chooser.trees else chain_rate))
+        epochs = used[::ShapeChooser.EPOCH]
+        assert epochs[:4] == [True, False, True, False]  # each tried twice first
+        better = tree_rate > chain_rate
+        late = epochs[10:]
+        assert late.count(better) > 0.8 * len(late) and late.count(not better) > 0  # exploits, explores
+
+
+def test_calibration_learns_how_often_nodes_of_a_probability_are_accepted():
+    from specserve.spec_decode.tree import Calibration
+
+    calibration, rng = Calibration(), random.Random(0)
+    assert calibration(0.5) == pytest.approx(0.5)  # the drafter's word until something is seen
+    for _ in range(3000):  # nodes given 0.5 are accepted a fifth of the time, nodes given 0.9 most of the time
+        calibration.observe([0.5, 0.9], {n for n, rate in enumerate((0.1, 0.8)) if rng.random() < rate})
+    assert calibration(0.5) == pytest.approx(0.1, abs=0.03) and calibration(0.9) == pytest.approx(0.8, abs=0.05)

@@ -106,6 +106,14 @@ def _clone(caches):
     return [(kernel_key_layout(k), v.clone()) for k, v in caches]
 
 
+def _same(a, b) -> bool:
+    """Bitwise with the C kernels; the PyTorch fallback's attention pads each sequence's keys by the batch's
+    bucket, so there a path alone and within a tree agree to rounding only."""
+    if kernel_usable(torch.float32):
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("context", [5, 16, 47])
 def test_a_node_is_bitwise_its_path_verified_as_a_chain_and_the_accepted_path_moves_into_place(model, context):
     rng = random.Random(context)
@@ -132,9 +140,9 @@ def test_a_node_is_bitwise_its_path_verified_as_a_chain_and_the_accepted_path_mo
         with torch.inference_mode():
             chain_hidden, _ = model.forward(torch.tensor(chain), torch.arange(context, context + len(chain)),
                                             chain_meta, chain_caches)
-        assert torch.equal(hidden[0], chain_hidden[0])
+        assert _same(hidden[0], chain_hidden[0])
         for depth, node in enumerate(path, 1):
-            assert torch.equal(hidden[1 + node], chain_hidden[depth]), (leaf, node)
+            assert _same(hidden[1 + node], chain_hidden[depth]), (leaf, node)
     # accept the last leaf's path but its last node: its K/V must be the chain's in the request's slots
     path = tree.path_to(tree.leaves[-1])[:-1] or tree.path_to(tree.leaves[-1])
     moved = _clone(caches)
@@ -146,8 +154,8 @@ def test_a_node_is_bitwise_its_path_verified_as_a_chain_and_the_accepted_path_mo
                       paged_metadata([len(chain)], [context + len(chain)], [table], BLOCK, use_kernel), chain_caches)
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(context + len(chain))])
     for (k, v), (ck, cv) in zip(moved, chain_caches):
-        assert torch.equal(k[slots // BLOCK, slots % BLOCK], ck[slots // BLOCK, slots % BLOCK])
-        assert torch.equal(v[slots // BLOCK, slots % BLOCK], cv[slots // BLOCK, slots % BLOCK])
+        assert _same(k[slots // BLOCK, slots % BLOCK], ck[slots // BLOCK, slots % BLOCK])
+        assert _same(v[slots // BLOCK, slots % BLOCK], cv[slots // BLOCK, slots % BLOCK])
 
 
 def test_fit_to_scratch_keeps_whole_paths():

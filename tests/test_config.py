@@ -71,7 +71,7 @@ def test_draft_tree_settings_are_checked():
     assert config.draft_tree == "static" and config.token_tree_shape == ((0,), (1,), (0, 0))
     for bad, message in [
         (dict(method="suffix", draft_tree="wide"), "draft_tree must be one of"),
-        (dict(method="ngram", draft_tree="auto"), "draft_tree applies to methods"),
+        (dict(method="draft_model", model="m", draft_tree="auto"), "draft_tree applies to methods"),
         (dict(method="suffix", draft_tree="static"), "needs speculative_token_tree"),
         (dict(method="suffix", draft_tree="auto", speculative_token_tree="[(0,)]"), "goes with draft_tree 'static'"),
         (dict(method="suffix", speculative_token_tree="[(0,), (1, 0)]"), "without its parent"),

@@ -48,6 +48,7 @@ class AutoProposer:
         self.proposers = [SuffixProposer(part("suffix", "suffix", **lookups)),
                           NgramProposer(part("ngram", "ngram", **lookups))]
         options = [DraftOption("suffix", self.proposers[0].k), DraftOption("ngram", self.proposers[1].k)]
+        self.proposers[1].option = 1  # trees price their nodes by the option's own drafting cost
         self.num_lookups = 2
         if spec_config.drafter not in (None, "none"):
             model_config = part(spec_config.drafter, "model")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from specserve.spec_decode.proposer import DraftInputs, DrafterNeeds, Drafts
+from specserve.spec_decode.tree import TreeChooser, best_first, static_candidates
 from specserve.ops import kernels
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -24,6 +25,8 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 # against 1.458 (extraction, whose long copies start from longer matches, 3.021 against 3.030; the other
 # categories gain).
 ONE_TOKEN_MATCH_MAX_DRAFTS = 3
+# Draft trees: the continuations of at most this many occurrences of the matched n-gram (the latest ones).
+TREE_OCCURRENCES = 8
 
 
 def find_ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int, prefer_end: int = -1) -> np.ndarray:
@@ -43,8 +46,20 @@ def find_ngram_match(tokens: np.ndarray, min_n: int, max_n: int, prefer_end: int
     whose n-th token back also matches, so after the first O(L) comparison the work is O(survivors).
     """
     size = tokens.shape[0]  # tokens: [L]
-    if size < min_n + 1:
+    ends = find_ngram_matches(tokens, min_n, max_n)
+    if not ends.size:
         return -1
+    if 0 <= prefer_end < size - 1 and ends[np.searchsorted(ends, prefer_end) % ends.size] == prefer_end:
+        return prefer_end
+    return int(ends[-1])
+
+
+def find_ngram_matches(tokens: np.ndarray, min_n: int, max_n: int) -> np.ndarray:
+    """End indices (ascending, each < L-1) of every earlier occurrence of the longest suffix n-gram with n in
+    [min_n, max_n]; empty when none matches."""
+    size = tokens.shape[0]  # tokens: [L]
+    if size < min_n + 1:
+        return _EMPTY
     ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # [C] ascending
     matched = 1 if ends.size else 0
     for n in range(2, max_n + 1):
@@ -53,11 +68,7 @@ def find_ngram_match(tokens: np.ndarray, min_n: int, max_n: int, prefer_end: int
         if keep.size == 0:
             break
         ends, matched = keep, n
-    if matched < min_n:
-        return -1
-    if 0 <= prefer_end < size - 1 and ends[np.searchsorted(ends, prefer_end) % ends.size] == prefer_end:
-        return prefer_end
-    return int(ends[-1])
+    return ends if matched >= min_n else _EMPTY
 
 
 def ngram_continuation(tokens: np.ndarray, end: int, k: int) -> np.ndarray:
@@ -126,13 +137,50 @@ class NgramProposer:
         # for a 1k-token history, per request and step), called at the history buffer's address (None
         # here); else the numpy search. The same result either way.
         self._find_match = None if kernels.kernel_enabled() else find_ngram_match
+        self.trees = TreeChooser()
+        self.option = 0  # its index among the draft policy's options (auto's second)
 
     def propose(self, inputs: DraftInputs) -> Drafts:
         for req_id in inputs.finished_req_ids:
             self._histories.pop(req_id, None)
-        drafts = [self._propose_one(req_id, tokens, n)
-                  for req_id, tokens, n in zip(inputs.req_ids, inputs.token_ids, inputs.num_drafts)]
-        return Drafts(token_ids=drafts)
+            self.trees.forget(req_id)
+        drafts, trees = [], []
+        for i, (req_id, tokens, n) in enumerate(zip(inputs.req_ids, inputs.token_ids, inputs.num_drafts)):
+            self.trees.score(req_id, tokens)
+            drafts.append(self._propose_one(req_id, tokens, n))
+            tree = self._tree(inputs, i) if drafts[-1] and inputs.wants_tree(i) else None
+            if tree is not None:
+                drafts[-1] = list(tree.tokens)
+            trees.append(tree)
+        return Drafts(token_ids=drafts, trees=trees if any(t is not None for t in trees) else None)
+
+    def _tree(self, inputs: DraftInputs, i: int):
+        """The continuations of the latest TREE_OCCURRENCES occurrences of the matched n-gram as a tree, a
+        node's probability the share of those occurrences that go through it (ties: the latest first); None
+        when a chain is as good."""
+        history = self._histories[inputs.req_ids[i]]
+        tokens = history.buf[:history.size]
+        ends = find_ngram_matches(tokens, self.min_n, self.max_n)[::-1][:TREE_OCCURRENCES]  # latest first
+        if ends.size < 2:
+            return None
+        k = min(inputs.num_drafts[i], self.k)
+        paths = [ngram_continuation(tokens, int(end), num_to_draft(tokens, int(end), k)).tolist() for end in ends]
+
+        def expand(state):
+            depth, group = state or (0, paths)
+            counts: dict[int, list[list[int]]] = {}
+            for path in group:
+                if depth < len(path):
+                    counts.setdefault(path[depth], []).append(path)
+            return [(t, len(g) / len(group), (depth + 1, g)) for t, g in counts.items()]
+
+        length = len(inputs.token_ids[i])
+        if inputs.tree_shape is not None:
+            tree = self.trees.fixed(inputs.req_ids[i], length, static_candidates(inputs.tree_shape, expand, k))
+        else:
+            tree = self.trees.choose(inputs.req_ids[i], length, best_first(expand, inputs.max_tree_nodes),
+                                     inputs.tree_costs(self.option, inputs.max_tree_nodes))
+        return None if tree.is_chain else tree
 
     def _propose_one(self, req_id: str, token_ids: list[int], num_drafts: int) -> list[int]:
         k = min(num_drafts, self.k)

@@ -9,7 +9,7 @@ import heapq
 
 from specserve.sample.draft_tree import DraftTree, accepted_nodes
 
-TREE_METHODS = ("suffix", "eagle", "eagle3", "medusa", "auto")  # the drafters that can propose trees
+TREE_METHODS = ("ngram", "suffix", "eagle", "eagle3", "medusa", "auto")  # the drafters that can propose trees
 
 
 def best_first(expand, budget: int, min_prob: float = 0.0) -> list[tuple[int, int, float]]:
@@ -85,20 +85,21 @@ def best_size(chosen: list[tuple[int, int, float]], cost, calibration: Calibrati
 
 
 def preorder(chosen: list[tuple[int, int, float]]) -> tuple[DraftTree, list[float]]:
-    """best_first's nodes (parents first) as a DraftTree, each node's children in decreasing probability, so
-    the first path is the most probable chain; with each tree node's path probability."""
+    """best_first's nodes (parents first) as a DraftTree, each node's children in decreasing probability (ties:
+    in chosen order), so the first path is the most probable chain; with each tree node's path probability."""
     kids: dict[int, list[int]] = {}
     for i, (parent, _, _) in enumerate(chosen):
         kids.setdefault(parent, []).append(i)
     tokens, parents, probs = [], [], []
-    stack = [(i, -1) for i in sorted(kids.get(-1, []), key=lambda i: chosen[i][2])]
+    # a stack: children pushed least likely first (on ties the later chosen first), so the likeliest pops first
+    stack = [(i, -1) for i in sorted(kids.get(-1, []), key=lambda i: (chosen[i][2], -i))]
     while stack:
         i, new_parent = stack.pop()
         tokens.append(chosen[i][1])
         parents.append(new_parent)
         probs.append(chosen[i][2])
         here = len(tokens) - 1
-        stack.extend((j, here) for j in sorted(kids.get(i, []), key=lambda j: chosen[j][2]))
+        stack.extend((j, here) for j in sorted(kids.get(i, []), key=lambda j: (chosen[j][2], -j)))
     return DraftTree(tuple(tokens), tuple(parents)), probs
 
 

@@ -173,3 +173,22 @@ def test_reused_id_rebuilds_and_finished_frees():
     assert p.propose(make_inputs(["r"], [[5, 8, 5, 8]], [4])).token_ids == [[5, 8, 5, 8]]  # same length, new tokens
     p.propose(make_inputs([], [], [], finished={"r"}))
     assert p._histories == {}
+
+
+def test_trees_hold_the_continuations_of_the_latest_occurrences():
+    """draft_tree: what followed each of the matched n-gram's latest occurrences, shared prefixes merged, a
+    node at the share of occurrences through it; the likeliest (ties: the latest) path first."""
+    # "1 2" occurs three times before the end: followed by 3 4, 3 5, 6 7
+    history = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 6, 7, 9, 1, 2]
+    inputs = make_inputs(["r"], [history], [2])
+    inputs.tree_costs, inputs.max_tree_nodes = (lambda option, n: [1.0 + 0.01 * k for k in range(n + 1)]), 16
+    out = proposer(k=2, lo=2, hi=2).propose(inputs)
+    tree = out.trees[0]
+    assert out.token_ids[0] == list(tree.tokens)
+    assert {tuple(tree.tokens[v] for v in tree.path_to(leaf)) for leaf in tree.leaves} == {(3, 5), (3, 4), (6, 7)}
+    assert tree.tokens[:2] == (3, 5)  # 3 (2 of 3), then the latest after it
+    # one occurrence: a chain, as without trees
+    inputs = make_inputs(["s"], [[1, 2, 3, 4, 9, 1, 2]], [2])
+    inputs.tree_costs, inputs.max_tree_nodes = (lambda option, n: [1.0] * (n + 1)), 16
+    out = proposer(k=2, lo=2, hi=2).propose(inputs)
+    assert out.trees is None and out.token_ids == [[3, 4]]

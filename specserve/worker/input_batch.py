@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.models.qwen2_vl import MRopePositions
-from specserve.ops.attention import AttentionMetadata
+from specserve.ops.attention import AttentionMetadata, build_attention_metadata
 from specserve.sample.spec_metadata import SpecDecodeMetadata
 from specserve.types import RequestFailure
 
@@ -52,6 +52,46 @@ class CachedRequestState:
     def append(self, tokens: list[int]) -> None:
         self.output_token_ids.extend(tokens)
         self.token_ids.extend(tokens)
+
+
+@dataclass
+class StepRows:
+    """One step's rows as prepare_inputs gathers them request by request, and the attention sequences over
+    them (one per request, or one per draft tree path)."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # token indices (M-RoPE rows go in image_positions)
+    slots: list[int] = field(default_factory=list)  # per row, where its K/V is written
+    image_positions: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    image_rows: list[int] = field(default_factory=list)
+    image_embeds: list[torch.Tensor] = field(default_factory=list)
+    window_slots: list[int] = field(default_factory=list)  # the windowed layers' own pool (hybrid models)
+    window_tables: list[list[int]] = field(default_factory=list)
+    extra_writes: list[tuple[int, int]] = field(default_factory=list)  # (row, slot): a tree row's other paths
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (block, scratch block) before the step
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    starts: list[int] = field(default_factory=lambda: [0])  # per request, its first row
+
+    def add_sequence(self, query_len: int, context_len: int, table: list[int]) -> None:
+        self.query_lens.append(query_len)
+        self.context_lens.append(context_len)
+        self.tables.append(table)
+
+    def attention(self, block_size: int, use_kernel: bool, windows: tuple[int, ...]) -> AttentionMetadata:
+        """The step's attention metadata; `windows`: the windows of the layers with tables of their own."""
+        slot_mapping = torch.tensor(self.slots + [slot for _, slot in self.extra_writes], dtype=torch.long)
+        attn = build_attention_metadata(self.query_lens, self.context_lens, self.tables, block_size, slot_mapping,
+                                        use_kernel)
+        if self.extra_writes:
+            attn.slot_rows = torch.tensor(list(range(len(self.slots))) + [row for row, _ in self.extra_writes],
+                                          dtype=torch.long)
+        if self.window_tables:  # the sliding-window layers' own tables
+            window = build_attention_metadata(self.query_lens, self.context_lens, self.window_tables, block_size,
+                                              torch.tensor(self.window_slots, dtype=torch.long), use_kernel)
+            attn.window_groups.update(dict.fromkeys(windows, window))
+        return attn
 
 
 @dataclass

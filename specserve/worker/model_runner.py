@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from specserve.ops.attention import build_attention_metadata, copy_blocks, copy_slots, kv_caches, slot_ids
+from specserve.ops.attention import copy_blocks, copy_slots, kv_caches, slot_ids
 from specserve.ops.kernels import kernel_usable
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_targets
@@ -25,7 +25,7 @@ from specserve.sample.draft_tree import DraftTree
 from specserve.spec_decode.tree import ShapeChooser
 from specserve.types import RequestFailure, SchedulerOutput, max_draft_tokens
 from specserve.worker.calibration import StepCalibrator
-from specserve.worker.input_batch import (CachedRequestState, InputBatch, ModelRunnerOutput, positions_at,
+from specserve.worker.input_batch import (CachedRequestState, InputBatch, ModelRunnerOutput, StepRows, positions_at,
                                           with_image_positions)
 from specserve.worker.structured import GrammarRequests
 from specserve.worker.threads import ThreadPolicy
@@ -253,11 +253,8 @@ class ModelRunner:
 
     # ---- inputs -------------------------------------------------------------------------
     def prepare_inputs(self, sched: SchedulerOutput) -> InputBatch:
-        ids, positions, slots, image_positions, image_rows, image_embeds = [], [], [], [], [], []
-        window_slots, window_tables, extra_writes, block_copies = [], [], [], []
-        query_lens, context_lens, tables, sample_ids, sample_drafts, sample_ends = [], [], [], [], [], []
-        sample_trees = []
-        starts = [0]
+        rows = StepRows()
+        sample_ids, sample_drafts, sample_trees, sample_ends = [], [], [], []
         scratch = list(self.tree_scratch)
         self.tree_steps, self.tree_accepted = {}, {}
         for rid in sched.req_ids:
@@ -268,63 +265,28 @@ class ModelRunner:
             tokens = state.token_ids[start:start + n]
             tree = self._tree_of(state, drafts, start + len(tokens) - 1, len(scratch)) if drafts else None
             if tree is not None:  # verified as a tree: its nodes after the request's tokens
-                drafts = list(tree.tokens)
-                n = len(tokens) + len(tree)
-                step = self.tree_steps[rid] = layout(tree, start, len(tokens), state.block_ids, self.block_size,
-                                                     scratch)
-                ids.extend(tokens + drafts)
-                positions.extend(step.positions)
-                if state.mrope is not None:
-                    columns = torch.tensor(step.positions) - start
-                    image_positions.append((starts[-1], state.mrope.range(start, max(step.positions) + 1)[:, columns]))
-                slots.extend(step.slots)
-                extra_writes.extend((starts[-1] + row, slot) for row, slot in step.extra_writes)
-                block_copies.extend(step.block_copies)
-                for first_row, q_len, c_len, table in step.sequences:
-                    query_lens.append(q_len)
-                    context_lens.append(c_len)
-                    tables.append(table)
+                drafts, n = list(tree.tokens), len(tokens) + len(tree)
+                self.tree_steps[rid] = self._add_tree_rows(rows, state, tokens, tree, scratch)
             else:
-                ids.extend(tokens + drafts[: n - len(tokens)])
-                positions.extend(range(start, start + n))
-                if state.mrope is not None:
-                    image_positions.append((starts[-1], state.mrope.range(start, start + n)))
-                if state.mm_features and start < state.mm_features[-1].end:
-                    for rows, embeds in self._image_embeds_or_blank(state, start, start + n, starts[-1]):
-                        image_rows.extend(rows)
-                        image_embeds.append(embeds)
-                slots.extend(slot_ids(state.block_ids, start, start + n, self.block_size))
-                if state.window_block_ids is not None:
-                    window_slots.extend(slot_ids(state.window_block_ids, start, start + n, self.block_size))
-                    window_tables.append(state.window_block_ids)
-                query_lens.append(n)
-                context_lens.append(start + n)
-                tables.append(state.block_ids)
+                self._add_rows(rows, state, tokens + drafts[: n - len(tokens)])
             if start + n >= len(state.token_ids):
                 sample_ids.append(rid)
                 sample_drafts.append(drafts)
                 sample_trees.append(tree)
-                sample_ends.append(starts[-1] + n)
-            starts.append(starts[-1] + n)
-        slot_mapping = torch.tensor(slots + [slot for _, slot in extra_writes], dtype=torch.long)
-        attn = build_attention_metadata(query_lens, context_lens, tables, self.block_size, slot_mapping,
-                                        self.attention_kernel)
-        if extra_writes:
-            attn.slot_rows = torch.tensor(list(range(len(slots))) + [row for row, _ in extra_writes], dtype=torch.long)
-        copy_blocks(self.kv_caches, block_copies)
-        if window_tables:  # the sliding-window layers' own tables
-            window_attn = build_attention_metadata(query_lens, context_lens, window_tables, self.block_size,
-                                                   torch.tensor(window_slots, dtype=torch.long), self.attention_kernel)
-            attn.window_groups.update(dict.fromkeys(self.window_group_windows, window_attn))
+                sample_ends.append(rows.starts[-1] + n)
+            rows.starts.append(rows.starts[-1] + n)
+        attn = rows.attention(self.block_size, self.attention_kernel, self.window_group_windows)
+        copy_blocks(self.kv_caches, rows.block_copies)
         spec = build_spec_decode_metadata(sample_drafts, sample_ends) if any(sample_drafts) else None
         return InputBatch(
             req_ids=list(sched.req_ids),
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=with_image_positions(self.layout_positions(torch.tensor(positions, dtype=torch.long)),
-                                            image_positions),
-            mm_embeds=(torch.tensor(image_rows, dtype=torch.long), torch.cat(image_embeds)) if image_rows else None,
+            input_ids=torch.tensor(rows.ids, dtype=torch.long),
+            positions=with_image_positions(self.layout_positions(torch.tensor(rows.positions, dtype=torch.long)),
+                                            rows.image_positions),
+            mm_embeds=((torch.tensor(rows.image_rows, dtype=torch.long), torch.cat(rows.image_embeds))
+                       if rows.image_rows else None),
             attn=attn,
-            query_start_loc=starts,
+            query_start_loc=rows.starts,
             logits_indices=(spec.logits_indices if spec is not None
                             else logits_indices([len(d) for d in sample_drafts], sample_ends)),
             sample_req_ids=sample_ids,
@@ -332,6 +294,40 @@ class ModelRunner:
             spec_decode_metadata=spec,
             draft_trees=sample_trees if any(t is not None for t in sample_trees) else None,
         )
+
+    def _add_rows(self, rows: StepRows, state: CachedRequestState, ids: list[int]) -> None:
+        """A request's tokens from num_computed_tokens on (drafts included) as consecutive rows."""
+        start, n, first = state.num_computed_tokens, len(ids), rows.starts[-1]
+        rows.ids.extend(ids)
+        rows.positions.extend(range(start, start + n))
+        if state.mrope is not None:
+            rows.image_positions.append((first, state.mrope.range(start, start + n)))
+        if state.mm_features and start < state.mm_features[-1].end:
+            for image_rows, embeds in self._image_embeds_or_blank(state, start, start + n, first):
+                rows.image_rows.extend(image_rows)
+                rows.image_embeds.append(embeds)
+        rows.slots.extend(slot_ids(state.block_ids, start, start + n, self.block_size))
+        if state.window_block_ids is not None:
+            rows.window_slots.extend(slot_ids(state.window_block_ids, start, start + n, self.block_size))
+            rows.window_tables.append(state.window_block_ids)
+        rows.add_sequence(n, start + n, state.block_ids)
+
+    def _add_tree_rows(self, rows: StepRows, state: CachedRequestState, tokens: list[int], tree: DraftTree,
+                       scratch: list[int]) -> TreeStep:
+        """A request's tokens, then its tree's nodes (worker/tree_step.py), taking scratch blocks."""
+        start, first = state.num_computed_tokens, rows.starts[-1]
+        step = layout(tree, start, len(tokens), state.block_ids, self.block_size, scratch)
+        rows.ids.extend(tokens + list(tree.tokens))
+        rows.positions.extend(step.positions)
+        if state.mrope is not None:
+            columns = torch.tensor(step.positions) - start
+            rows.image_positions.append((first, state.mrope.range(start, max(step.positions) + 1)[:, columns]))
+        rows.slots.extend(step.slots)
+        rows.extra_writes.extend((first + row, slot) for row, slot in step.extra_writes)
+        rows.block_copies.extend(step.block_copies)
+        for _, q_len, c_len, table in step.sequences:
+            rows.add_sequence(q_len, c_len, table)
+        return step
 
     def _tree_of(self, state: CachedRequestState, drafts: list[int], root: int, scratch: int) -> DraftTree | None:
         """The tree of `drafts` (a prefix of the tree they were drafted as), cut to what `scratch` blocks hold;

@@ -257,3 +257,20 @@ def test_calibration_learns_how_often_nodes_of_a_probability_are_accepted():
     for _ in range(3000):  # nodes given 0.5 are accepted a fifth of the time, nodes given 0.9 most of the time
         calibration.observe([0.5, 0.9], {n for n, rate in enumerate((0.1, 0.8)) if rng.random() < rate})
     assert calibration(0.5) == pytest.approx(0.1, abs=0.03) and calibration(0.9) == pytest.approx(0.8, abs=0.05)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "eagle", "eagle3", "medusa"])
+def test_every_tree_drafter_keeps_plain_output_on_image_prompts(method, tmp_path, tree_counts, monkeypatch):
+    """Each drafter's own trees on M-RoPE prompts with images (Qwen2-VL): the drafter and the target place a
+    node at its depth's position rows; greedy output stays plain decoding's."""
+    from tests.spec_decode.test_mrope_images import _spec
+
+    monkeypatch.setattr(DraftPolicy, "draft_costs", lambda self, option, n: [1.0 + 0.01 * k for k in range(n + 1)])
+    hf = tiny_vl("qwen2_vl")
+    folder = save_tiny_vl(hf, tmp_path / "vl")
+    plain = [o.outputs[0].token_ids for o in LLM(model=folder, **VL_ENGINE).generate(vl_prompts(), VL_PARAMS,
+                                                                                     use_tqdm=False)]
+    spec = dict(_spec(method, hf, folder, tmp_path), draft_tree="auto", adaptive_draft_length=False)
+    llm = LLM(model=folder, speculative_config=spec, **VL_ENGINE)
+    assert [o.outputs[0].token_ids for o in llm.generate(vl_prompts(), VL_PARAMS, use_tqdm=False)] == plain
+    assert tree_counts["trees"] > 0, dict(tree_counts)

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from specserve.models.drafter_loader import build_drafter_head, load_drafter_checkpoint
+from specserve.ops.attention import copy_blocks
+from specserve.sample.draft_tree import DraftTree
 from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.draw import draft_chains, draft_sampling_metadata, draw
 from specserve.spec_decode.proposer import (DraftInputs, KVCacheSpec, DrafterNeeds, Drafts, TargetInfo,
                                             TargetStates)
-from specserve.sample.draft_tree import DraftTree
 from specserve.spec_decode.tree import TreeChooser
-from specserve.ops.attention import copy_blocks
 
 
 # A request's deferred rows past which they are written anyway: bounds the states kept aside (EAGLE-3 keeps

@@ -13,6 +13,7 @@ import torch
 from specserve.ops.attention import copy_blocks, copy_slots, kv_caches, slot_ids
 from specserve.ops.kernels import kernel_usable
 from specserve.sample.metadata import SamplingMetadata
+from specserve.sample.draft_tree import DraftTree
 from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_targets
 from specserve.sample.sampler import Sampler
 from specserve.sample.spec_metadata import build_spec_decode_metadata, logits_indices
@@ -21,7 +22,6 @@ from specserve.spec_decode.drafter_kv import DrafterKVCache
 from specserve.spec_decode.policy import DraftOption, DraftPolicy
 from specserve.spec_decode.proposer import (DraftInputs, DrafterNeeds, KVCacheSpec, Proposer, TargetInfo,
                                             TargetStates, make_proposer)
-from specserve.sample.draft_tree import DraftTree
 from specserve.spec_decode.tree import ShapeChooser
 from specserve.types import RequestFailure, SchedulerOutput, max_draft_tokens
 from specserve.worker.calibration import StepCalibrator
@@ -395,8 +395,10 @@ class ModelRunner:
             return sampled, {}
         meta = self._sampling_metadata(batch.sample_req_ids)
         spec, lp = batch.spec_decode_metadata, None
-        awaiting = {rid: (self.draft_probs.pop(rid, None), self.draft_sources.pop(rid, 0), self.draft_trees.pop(rid, None))
+        awaiting = {rid: (self.draft_probs.pop(rid, None), self.draft_sources.pop(rid, 0))
                     for rid in batch.sample_req_ids}
+        for rid in batch.sample_req_ids:  # its tree was laid out (tree_steps); the next drafts bring their own
+            self.draft_trees.pop(rid, None)
         # structured outputs: the grammar's allowed tokens at every sampled or verified row
         masks = (self.grammars.logits_masks(batch.sample_req_ids, batch.draft_token_ids, self._grammar_failed)
                  if self.grammars else [])

@@ -48,13 +48,15 @@ class AutoProposer:
         self.proposers = [SuffixProposer(part("suffix", "suffix", **lookups)),
                           NgramProposer(part("ngram", "ngram", **lookups))]
         options = [DraftOption("suffix", self.proposers[0].k), DraftOption("ngram", self.proposers[1].k)]
-        self.proposers[1].option = 1  # trees price their nodes by the option's own drafting cost
         self.num_lookups = 2
         if spec_config.drafter not in (None, "none"):
             model_config = part(spec_config.drafter, "model")
             self.proposers.append(make_proposer(model_config, target))
             options.append(DraftOption(spec_config.drafter, model_config.num_speculative_tokens,
                                        self.proposers[-1].needs.drafting_cost or MODEL_PRIOR_DRAFTING_COST))
+        for option, proposer in enumerate(self.proposers):  # trees price their nodes by their own option's costs
+            if hasattr(proposer, "trees"):
+                proposer.trees.option = option
         self.needs = _merged_needs([p.needs for p in self.proposers], tuple(options))
         # per request: the shadow drafts awaiting the tokens that score them, option -> (index of the first
         # draft token in the history, drafts), and its drafting steps since its last shadow round

@@ -79,9 +79,7 @@ class EagleProposer:
         kv = inputs.drafter_kv
         for rid in inputs.finished_req_ids:
             self.deferred.pop(rid, None)
-            self.trees.forget(rid)
-        for rid, history in zip(inputs.req_ids, inputs.token_ids):
-            self.trees.score(rid, history)
+        self.trees.start(inputs)
         rows = [i for i, n in enumerate(inputs.num_drafts) if n > 0]
         g, last_row = self._write_target_features(inputs, kv, {inputs.req_ids[i] for i in rows})
         if not rows:
@@ -172,7 +170,7 @@ class EagleProposer:
             index = {c: n for n, c in enumerate(order)}
             chosen = [(index[cands[i][c][0]] if cands[i][c][0] >= 0 else -1, cands[i][c][1], cands[i][c][2])
                       for c in order]
-            costs = costs or inputs.tree_costs(0, inputs.max_tree_nodes)
+            costs = costs or self.trees.costs(inputs)
             trees[i] = self.trees.choose(inputs.req_ids[i], len(inputs.token_ids[i]), chosen, costs)
         return trees
 

@@ -38,10 +38,7 @@ class MedusaProposer:
     def propose(self, inputs: DraftInputs) -> Drafts:
         drafts: list[list[int]] = [[] for _ in inputs.req_ids]
         probs: list[torch.Tensor | None] = [None] * len(inputs.req_ids)
-        for rid in inputs.finished_req_ids:
-            self.trees.forget(rid)
-        for rid, history in zip(inputs.req_ids, inputs.token_ids):
-            self.trees.score(rid, history)
+        self.trees.start(inputs)
         rows = [i for i, n in enumerate(inputs.num_drafts) if n > 0]
         if not rows:
             return Drafts(drafts)
@@ -81,7 +78,7 @@ class MedusaProposer:
         shape = inputs.tree_shape
         width = max(TREE_TOP_K, 1 + max(max(node) for node in shape)) if shape else TREE_TOP_K
         top = [self.heads.head_logits(k, states[k]).softmax(-1).topk(width, dim=-1) for k in range(depth)]
-        costs = inputs.tree_costs(0, inputs.max_tree_nodes)
+        costs = self.trees.costs(inputs)
         trees = {}
         for j, i in enumerate(rows):
             options = [list(zip(top[k].indices[j].tolist(), top[k].values[j].tolist())) for k in range(depth)]

@@ -138,15 +138,13 @@ class NgramProposer:
         # here); else the numpy search. The same result either way.
         self._find_match = None if kernels.kernel_enabled() else find_ngram_match
         self.trees = TreeChooser()
-        self.option = 0  # its index among the draft policy's options (auto's second)
 
     def propose(self, inputs: DraftInputs) -> Drafts:
         for req_id in inputs.finished_req_ids:
             self._histories.pop(req_id, None)
-            self.trees.forget(req_id)
+        self.trees.start(inputs)
         drafts, trees = [], []
         for i, (req_id, tokens, n) in enumerate(zip(inputs.req_ids, inputs.token_ids, inputs.num_drafts)):
-            self.trees.score(req_id, tokens)
             drafts.append(self._propose_one(req_id, tokens, n))
             tree = self._tree(inputs, i) if drafts[-1] and inputs.wants_tree(i) else None
             if tree is not None:
@@ -179,7 +177,7 @@ class NgramProposer:
             tree = self.trees.fixed(inputs.req_ids[i], length, static_candidates(inputs.tree_shape, expand, k))
         else:
             tree = self.trees.choose(inputs.req_ids[i], length, best_first(expand, inputs.max_tree_nodes),
-                                     inputs.tree_costs(self.option, inputs.max_tree_nodes))
+                                     self.trees.costs(inputs))
         return None if tree.is_chain else tree
 
     def _propose_one(self, req_id: str, token_ids: list[int], num_drafts: int) -> list[int]:

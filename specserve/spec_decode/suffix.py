@@ -201,22 +201,21 @@ class SuffixProposer:
         self._next_seq_id = 0
         self.trees = TreeChooser()  # trees: how often nodes are accepted at the tries' probabilities
 
-    def propose(self, inputs: DraftInputs, option: int = 0) -> Drafts:
-        """option: this proposer's index among auto's options (which step prices a tree uses)."""
+    def propose(self, inputs: DraftInputs) -> Drafts:
         for req_id in inputs.finished_req_ids:
             self._retire(req_id)
+        self.trees.start(inputs)
         drafts, trees = [], []
         costs = None
         for i, (req_id, history, num_prompt, num_drafts) in enumerate(zip(
                 inputs.req_ids, inputs.token_ids, inputs.num_prompt_tokens, inputs.num_drafts)):
-            self.trees.score(req_id, history)
             cap = min(num_drafts, self.k)
             tree = None
             if cap > 0:
                 tokens, source = self._draft(self._sync(req_id, history, num_prompt), history, cap)
                 if source is not None and inputs.wants_tree(i):
                     if costs is None:
-                        costs = inputs.tree_costs(option, inputs.max_tree_nodes)
+                        costs = self.trees.costs(inputs)
                     tree = self._tree(req_id, len(history), source, cap, inputs, costs)
                     if tree is not None:
                         tokens = list(tree.tokens)
@@ -288,7 +287,6 @@ class SuffixProposer:
         Preempted requests never come here: they keep their trie, which `_sync` extends when they resume.
         """
         _, num_prompt, history = self._local.pop(req_id, (None, 0, []))
-        self.trees.forget(req_id)
         if self.max_cached == 0:
             return
         output = history[num_prompt:]

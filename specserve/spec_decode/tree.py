@@ -111,6 +111,18 @@ class TreeChooser:
     def __init__(self) -> None:
         self.calibration = Calibration()
         self._last: dict[str, tuple[int, DraftTree, list[float]]] = {}  # history length, candidates, probs
+        self.option = 0  # the drafter's index among the draft policy's options (auto sets it): whose prices
+
+    def start(self, inputs) -> None:
+        """A drafting call begins: finished requests are forgotten, the others' last candidates scored."""
+        for req_id in inputs.finished_req_ids:
+            self.forget(req_id)
+        for req_id, history in zip(inputs.req_ids, inputs.token_ids):
+            self.score(req_id, history)
+
+    def costs(self, inputs) -> list[float]:
+        """cost(n) of n drafts of this drafter, n = 0..max_tree_nodes, in plain steps."""
+        return inputs.tree_costs(self.option, inputs.max_tree_nodes)
 
     def score(self, req_id: str, history: list[int]) -> None:
         """The request's last candidates against the tokens that came after them."""

@@ -185,10 +185,11 @@ class ModelRunner:
             hidden, aux = self.model.forward(batch.input_ids, batch.positions, batch.attn, self.kv_caches,
                                              batch.mm_embeds)
             sampled, logprobs = self.sample_or_verify(hidden[batch.logits_indices], batch)
-            if self.proposer is not None and self._is_decode_step(batch):  # the measured cost of drafting
+            decoding = self.proposer is not None and self._is_decode_step(batch)
+            if decoding:  # the measured cost of drafting
                 self.draft_policy.observe_step(len(batch.req_ids), len(batch.input_ids), time.perf_counter() - start)
             drafts = self.propose_draft_token_ids(batch, sampled, hidden, aux)
-        if self.tree_scratch and self._is_decode_step(batch):
+        if decoding and self.tree_scratch:  # with drafting: what this step's shape gives
             self.shapes.observe(sum(map(len, sampled.values())), time.perf_counter() - start)
         options = self.draft_policy.options
         return ModelRunnerOutput(batch.req_ids, sampled, drafts, logprobs, {  # who drafted each request's drafts

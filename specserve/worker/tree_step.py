@@ -53,15 +53,12 @@ def fit_to_scratch(tree: DraftTree, root: int, block_size: int, available: int) 
     need = scratch_blocks_needed(tree, root, block_size)
     if sum(need) <= available:
         return tree
-    used, keep = 0, len(tree)
-    for leaf, blocks in zip(tree.leaves, need):
-        if used + blocks > available:  # cut before the nodes this leaf's path adds
-            keep = leaf
-            while keep > 0 and tree.parents[keep] == keep - 1:
-                keep -= 1
-            break
+    used = 0
+    for j, blocks in enumerate(need):  # the first path needs none: j > 0 where it stops
+        if used + blocks > available:  # cut after the previous leaf, before this path's own nodes
+            return tree.prefix(tree.leaves[j - 1] + 1)
         used += blocks
-    return tree.prefix(keep)
+    return tree
 
 
 def layout(tree: DraftTree, start: int, num_real: int, table: list[int], block_size: int,

@@ -1,4 +1,4 @@
-"""Command line: `specserve generate | chat | bench | serve | train-drafter`."""
+"""Command line: `specserve generate | chat | bench | serve | train-drafter | synthesize-data`."""
 from __future__ import annotations
 
 import argparse
@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.train.pipeline import add_train_parser
 
     add_train_parser(sub)
+    from specserve.train.synthesize import add_synthesize_parser
+
+    add_synthesize_parser(sub)
     return parser
 
 

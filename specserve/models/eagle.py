@@ -213,6 +213,7 @@ class Eagle3Head(_EagleHeadBase):
         self.lm_head = self._lm_head(checkpoint, target, weight_dtype)
         self.exact_argmax = getattr(self.lm_head, "enable_exact_argmax", lambda: False)()
         self.draft_ids = _draft_id_map(checkpoint, Vd, V)  # [Vd] target id of each draft id; None: identity
+        self._chains = kernels.TensorKeyed(self._build_chains_kernel)
         self._check_config(checkpoint)
 
     def _lm_head(self, ckpt: DrafterCheckpoint, target, weight_dtype):
@@ -245,16 +246,21 @@ class Eagle3Head(_EagleHeadBase):
         """token_ids: [N] (x_{p+1}); hidden: [N, H] (project_aux output or a previous g); positions: [N] or
         [3, N]; writes the N tokens' K/V at meta.slot_mapping; returns g: [N, H] (pre-norm)."""
         self._check_width("hidden", hidden, self.hidden_size)
-        eps = self.config.rms_norm_eps
-        normed = rms_norm(hidden, self.hidden_norm, eps)
+        normed = self._norm(hidden, self.hidden_norm)
         residual = normed if self.norm_before_residual else hidden
-        x = torch.cat([rms_norm(self.embed_tokens[token_ids], self.input_norm, eps), normed], dim=-1)
+        x = torch.cat([self._norm(self.embed_tokens[token_ids], self.input_norm), normed], dim=-1)
         cos, sin = self._cos_sin(positions)
         return self.layer.forward(x, residual, cos, sin, kv_cache, meta)
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMS norm, on the C kernel where the head runs them (the one draft_chains calls, so both agree bitwise)."""
+        if self.c_ops:
+            return kernels.add_rms_norm(None, x.contiguous(), weight, self.config.rms_norm_eps)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
     def compute_logits(self, g: torch.Tensor) -> torch.Tensor:
         """g: [M, H] -> [M, Vd] float32 logits over the draft vocabulary."""
-        return self.lm_head(rms_norm(g, self.norm, self.config.rms_norm_eps)).float()
+        return self.lm_head(self._norm(g, self.norm)).float()
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [...] draft token ids -> the same shape of target token ids (d + d2t[d])."""
@@ -262,9 +268,65 @@ class Eagle3Head(_EagleHeadBase):
 
     def greedy_tokens(self, g: torch.Tensor) -> torch.Tensor:
         """g: [M, H] -> [M] int64 target token ids: argmax over the draft vocabulary, mapped by d2t."""
-        h = rms_norm(g, self.norm, self.config.rms_norm_eps)
+        h = self._norm(g, self.norm)
         ids = self.lm_head.argmax(h) if self.exact_argmax else kernels.argmax_rows(self.lm_head(h).float())
         return self.draft_to_target(ids)
+
+    def chains_kernel(self, kv_cache: KVCache) -> "kernels.Eagle3C | None":
+        """The C struct draft_chains runs on, or None where the head cannot run there: the C kernels off, M-RoPE
+        (positions per section), or a linear or embedding outside the C GEMMs' formats."""
+        if not self.c_ops or self.uses_mrope:
+            return None
+        return self._chains.get((kv_cache[0], kv_cache[1]))
+
+    def _build_chains_kernel(self, caches: tuple) -> "kernels.Eagle3C | None":
+        from specserve.models.gguf_quant import QuantizedWeight
+
+        layer = self.layer
+        linears = [getattr(lin, "c_operands", lambda: None)()
+                   for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, self.lm_head)]
+        embed = self.embed_tokens
+        if any(op is None for op in linears) or not (
+                isinstance(embed, QuantizedWeight) or (isinstance(embed, torch.Tensor) and embed.dtype == torch.float32
+                                                       and embed.is_contiguous())):
+            return None
+        if isinstance(embed, QuantizedWeight):
+            embed_ptr, (fmt, group), keep = embed.packed.data_ptr(), embed.weight_format, [embed.packed]
+        else:
+            embed_ptr, fmt, group, keep = embed.data_ptr(), -1, 0, [embed]
+        screen = self.lm_head._screen if self.exact_argmax else None
+        draft_ids = self.draft_ids.to(torch.int64).contiguous() if self.draft_ids is not None else None
+        norms = [t.contiguous() for t in (self.input_norm, self.hidden_norm, layer.post_norm, self.norm)]
+        struct = kernels.Eagle3C(*(kernels.linear_c(op) for op in linears), *(t.data_ptr() for t in norms), embed_ptr,
+                                 fmt, group, *(t.data_ptr() for t in screen) if screen else (None,) * 4,
+                                 draft_ids.data_ptr() if draft_ids is not None else None, caches[0].data_ptr(),
+                                 caches[1].data_ptr(), layer.window, int(bool(self.norm_before_residual)))
+        struct.keep = (linears, norms, keep, screen, draft_ids, caches)  # what the pointers point into
+        return struct
+
+    def draft_chains(self, kernel: "kernels.Eagle3C", g0: torch.Tensor, num_drafts: list[int], positions: list[int],
+                     history: list[int], block_tables: list[list[int]], block_size: int) -> list[list[int]]:
+        """Greedy chains for R requests in one C call, each draft bitwise what greedy_tokens then forward give
+        a step at a time. g0: [R, H] the outputs the first drafts come from; per request: its number of drafts,
+        the position p and the history length n of its first draft (draft s is fed back at position p + s, its
+        K/V at cache index n - 1 + s), and its block table."""
+        R, most, H = len(num_drafts), max(num_drafts), self.hidden_size
+        steps = torch.arange(most - 1)
+        index = torch.tensor(history)[:, None] - 1 + steps  # [R, most - 1] cache index of each fed-back draft
+        width = max(len(t) for t in block_tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+        needed = torch.tensor(num_drafts)[:, None] - 1 > steps  # steps each row runs; the others read nothing
+        blocks = (index // block_size).clamp(max=width - 1)
+        slots = torch.where(needed, table.gather(1, blocks) * block_size + index % block_size, 0)
+        cos, sin = self._cos_sin((torch.tensor(positions)[:, None] + steps).reshape(-1))
+        cfg = self.config
+        dims = (H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
+                self.draft_vocab_size)
+        out = kernels.eagle3_chains(kernel, g0.contiguous(), torch.tensor(num_drafts, dtype=torch.int64),
+                                    cos.reshape(R, most - 1, -1).contiguous(), sin.reshape(R, most - 1, -1).contiguous(),
+                                    slots.contiguous(), (index + 1).contiguous(), table, dims, block_size,
+                                    cfg.rms_norm_eps, self.layer.scale)
+        return [row[:n] for row, n in zip(out.tolist(), num_drafts)]
 
     def logits_in_target_vocab(self, g: torch.Tensor) -> torch.Tensor:
         """g: [M, H] -> [M, V] float32: the draft logits at their target ids, -inf elsewhere, so a softmax

@@ -140,6 +140,8 @@ def _bind(lib):
         "decoder_forward_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64,
                                  i64, i64,
                                  i64, i64, i64, i64, f32, f32, ptr, i64, ptr], ctypes.c_int),
+        "eagle3_chains_f32": ([ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
+                               i64, f32, f32, ptr], ctypes.c_int),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
@@ -463,6 +465,41 @@ def decoder_forward(layers, x: torch.Tensor, final_norm: torch.Tensor, cos: torc
     if failed:
         raise MemoryError("decoder kernel: out of memory for its buffers")
     return out, (list(aux.unbind(0)) if aux is not None else None)
+
+
+class Eagle3C(ctypes.Structure):
+    """csrc/decoder.c's eagle3_t."""
+    _fields_ = [("qkv", LinearC), ("o_proj", LinearC), ("gate_up", LinearC), ("down", LinearC), ("lm_head", LinearC),
+                ("input_norm", ctypes.c_void_p), ("hidden_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("norm", ctypes.c_void_p), ("embed", ctypes.c_void_p), ("embed_format", ctypes.c_int64),
+                ("embed_group", ctypes.c_int64), ("screen_q", ctypes.c_void_p), ("screen_scale", ctypes.c_void_p),
+                ("screen_col_sum", ctypes.c_void_p), ("screen_w_l1", ctypes.c_void_p), ("draft_ids", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64),
+                ("norm_before_residual", ctypes.c_int64)]
+
+
+def eagle3_chains(head: Eagle3C, g0: torch.Tensor, num_drafts: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  slots: torch.Tensor, context_len: torch.Tensor, block_table: torch.Tensor,
+                  dims: tuple[int, int, int, int, int, int], block_size: int, eps: float, scale: float) -> torch.Tensor:
+    """Greedy EAGLE-3 draft chains in one C call (csrc/decoder.c's eagle3_chains_f32; the caller keeps the
+    tensors behind `head` alive). g0: [R, H] the outputs each row's first draft comes from; num_drafts: [R]
+    int64 (>= 1); for each row's draft steps that feed a draft back, [R, max - 1] of slots and context_len
+    (int64) and [R, max - 1, head_dim] of cos and sin; block_table: [R, W] int64; dims: (H, heads, kv heads,
+    head_dim, intermediate, draft vocabulary). Returns [R, max] int64 drafts (target ids), -1 past num_drafts."""
+    _check(g0=g0, cos=cos, sin=sin)
+    _check(torch.int64, num_drafts=num_drafts, slots=slots, context_len=context_len, block_table=block_table)
+    rows, most = g0.shape[0], int(num_drafts.max())
+    H, num_heads, num_kv_heads, head_dim, inter, vd = dims
+    if slots.shape != (rows, most - 1) or context_len.shape != slots.shape or cos.shape != (rows, most - 1, head_dim):
+        raise ValueError(f"eagle3_chains: slots and context_len must be [{rows}, {most - 1}], cos and sin "
+                         f"[{rows}, {most - 1}, {head_dim}]")
+    out = torch.empty(rows, most, dtype=torch.int64)
+    if _lib().eagle3_chains_f32(ctypes.byref(head), g0.data_ptr(), rows, num_drafts.data_ptr(), most, cos.data_ptr(),
+                                sin.data_ptr(), slots.data_ptr(), context_len.data_ptr(), block_table.data_ptr(),
+                                block_table.shape[1], H, num_heads, num_kv_heads, head_dim, inter, vd, block_size,
+                                float(eps), float(scale), out.data_ptr()):
+        raise MemoryError("eagle3_chains: out of memory for its buffers")
+    return out
 
 
 class TensorKeyed:

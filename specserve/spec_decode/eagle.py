@@ -98,7 +98,19 @@ class EagleProposer:
         return self._draft_chains(inputs, kv, rows, first)
 
     def _draft_chains(self, inputs: DraftInputs, kv: DrafterKVCache, rows: list[int], first: torch.Tensor) -> Drafts:
-        """Chains for requests `rows`, drafted from the head's outputs first [len(rows), H]."""
+        """Chains for requests `rows`, drafted from the head's outputs first [len(rows), H]: in one C call where
+        every row is greedy without a grammar (the same drafts), else a step at a time."""
+        kernel = getattr(self.head, "chains_kernel", lambda _: None)(kv.caches[0]) if rows else None
+        if kernel is not None and inputs.allowed_next is None and inputs.next_positions.dim() == 1 \
+                and all(inputs.sampling_params[i].is_greedy for i in rows):
+            chains = self.head.draft_chains(
+                kernel, first, [inputs.num_drafts[i] for i in rows], inputs.next_positions[rows].tolist(),
+                [len(inputs.token_ids[i]) for i in rows], [inputs.block_tables[inputs.req_ids[i]] for i in rows],
+                kv.block_size)
+            drafts: list[list[int]] = [[] for _ in inputs.req_ids]
+            for i, chain in zip(rows, chains):
+                drafts[i] = chain
+            return Drafts(drafts, [None] * len(inputs.req_ids))
         outputs = {}  # row -> the head's output it drafts from next
 
         def draw_rows(live: list[int], g: torch.Tensor, allowed: torch.Tensor | None, step: int):

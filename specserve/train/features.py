@@ -4,8 +4,10 @@ own next-token choice at every position, and which positions count.
 One teacher-forced pass of specserve's own target model over prompt + answer records, per token, either
 the aux hidden states (EAGLE-3: the residual stream entering each aux layer, concatenated) or the final
 hidden state (EAGLE, Medusa: the normed output the LM head reads), exactly what the runner hands the
-drafter at inference. They go to a folder of memory-mapped arrays (`FeatureStore`): states in float16 (or
-bfloat16), tokens and labels as int32, so a data set larger than memory trains from disk.
+drafter at inference. They go to a folder of memory-mapped arrays (`FeatureStore`): states in float16,
+bfloat16 or q8 (int8 in blocks of 32 with a float16 scale each: 1.1 bytes a value, outlier dimensions cost
+only their own block's precision), tokens and labels as int32, so a data set larger than memory trains
+from disk.
 """
 from __future__ import annotations
 
@@ -19,7 +21,38 @@ import numpy as np
 import torch
 
 STATE_KINDS = ("aux", "final")
-STATE_DTYPES = {"float16": (np.float16, torch.float16), "bfloat16": (np.uint16, torch.bfloat16)}
+STATE_DTYPES = ("float16", "bfloat16", "q8")
+Q8_BLOCK = 32
+
+
+def encode_states(h: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """[T, S] float32 -> (values as stored, q8 scales [T, S / 32] float16 or None)."""
+    if dtype == "float16":
+        return h.half().numpy(), None
+    if dtype == "bfloat16":
+        return h.bfloat16().view(torch.uint16).numpy(), None
+    blocks = h.reshape(h.shape[0], -1, Q8_BLOCK)
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = torch.where(scale > 0, blocks / scale.clamp_min(1e-30), torch.zeros(())).round().clamp(-127, 127)
+    return q.to(torch.int8).reshape(h.shape).numpy(), scale.squeeze(-1).half().numpy()
+
+
+def decode_states(values: np.ndarray, scales: np.ndarray | None, dtype: str) -> torch.Tensor:
+    """The inverse of encode_states, as float32."""
+    v = torch.from_numpy(np.array(values))
+    if dtype == "float16":
+        return v.float()
+    if dtype == "bfloat16":
+        return v.view(torch.bfloat16).float()
+    s = torch.from_numpy(np.array(scales)).float()
+    return (v.reshape(v.shape[0], -1, Q8_BLOCK).float() * s[..., None]).reshape(v.shape)
+
+
+def _storage(dtype: str, width: int) -> tuple[type, int]:
+    """(numpy dtype of states.bin, its width) for a feature dtype."""
+    if dtype == "q8" and width % Q8_BLOCK:
+        raise ValueError(f"q8 features need a width divisible by {Q8_BLOCK}, got {width}; use float16")
+    return {"float16": np.float16, "bfloat16": np.uint16, "q8": np.int8}[dtype], width
 
 
 @dataclass
@@ -58,6 +91,31 @@ def answer_mask(num_tokens: int, num_prompt_tokens: int) -> torch.Tensor:
     return mask
 
 
+FEATURE_PATHS = ("engine", "fp32")
+
+
+def feature_model(model_path: str | None, aux_layers: Sequence[int] = (), path: str = "engine"):
+    """The target that computes training features. "engine": built as the engine builds it (a GGUF file's
+    4-bit blocks with int8 activations: exactly the states the runner hands a drafter at inference);
+    "fp32": its weights dequantized to float32. A Hugging Face folder is the same either way."""
+    from specserve.config import EngineConfig
+    from specserve.models.gguf_quant import ACTIVATION_DIGITS, int8_activation_weights
+    from specserve.models.loader import load_model_weights
+    from specserve.models.registry import build_model
+
+    if path not in FEATURE_PATHS:
+        raise ValueError(f"feature path {path!r}: expected one of {', '.join(FEATURE_PATHS)}")
+    if path == "fp32":
+        loaded = load_model_weights(model_path)
+        return build_model(loaded.config, loaded.state_dict, dtype=torch.float32, aux_hidden_layers=tuple(aux_layers))
+    config = EngineConfig(model=model_path)
+    loaded = load_model_weights(config.model, dtype=config.torch_dtype, keep_quantized=config.keep_gguf_blocks)
+    if config.keep_gguf_blocks and config.gguf_compute in ACTIVATION_DIGITS:
+        loaded.state_dict = int8_activation_weights(loaded.state_dict, ACTIVATION_DIGITS[config.gguf_compute])
+    return build_model(loaded.config, loaded.state_dict, dtype=config.torch_dtype,
+                       weight_dtype=config.linear_weight_dtype, aux_hidden_layers=tuple(aux_layers))
+
+
 @torch.inference_mode()
 def target_states(model, token_ids: Sequence[int], kind: str, block_size: int = 16
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +144,8 @@ def target_states(model, token_ids: Sequence[int], kind: str, block_size: int = 
 
 class FeatureStore:
     """A folder of memory-mapped arrays: meta.json, offsets.npy [S + 1], tokens.npy / targets.npy [N] int32,
-    mask.npy [N] bool, states.bin [N, width] float16 or bfloat16. store[i] -> SequenceFeatures (float32)."""
+    mask.npy [N] bool, states.bin [N, width] (float16, bfloat16 bits or q8 values; q8 adds scales.bin
+    [N, width / 32] float16). store[i] -> SequenceFeatures (float32)."""
 
     def __init__(self, folder: str) -> None:
         path = os.path.join(folder, "meta.json")
@@ -99,9 +158,11 @@ class FeatureStore:
         self.tokens = np.load(os.path.join(folder, "tokens.npy"), mmap_mode="r")
         self.targets = np.load(os.path.join(folder, "targets.npy"), mmap_mode="r")
         self.mask = np.load(os.path.join(folder, "mask.npy"), mmap_mode="r")
-        np_dtype, self.torch_dtype = STATE_DTYPES[self.meta["dtype"]]
-        self.states = np.memmap(os.path.join(folder, "states.bin"), dtype=np_dtype, mode="r",
-                                shape=(int(self.offsets[-1]), self.meta["width"]))
+        np_dtype, width = _storage(self.meta["dtype"], self.meta["width"])
+        n = int(self.offsets[-1])
+        self.states = np.memmap(os.path.join(folder, "states.bin"), dtype=np_dtype, mode="r", shape=(n, width))
+        self.scales = np.memmap(os.path.join(folder, "scales.bin"), dtype=np.float16, mode="r",
+                                shape=(n, width // Q8_BLOCK)) if self.meta["dtype"] == "q8" else None
 
     @property
     def kind(self) -> str:
@@ -119,10 +180,8 @@ class FeatureStore:
 
     def __getitem__(self, i: int) -> SequenceFeatures:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        states = torch.from_numpy(np.array(self.states[a:b]))
-        if self.torch_dtype == torch.bfloat16:
-            states = states.view(torch.bfloat16)
-        return SequenceFeatures(torch.from_numpy(self.tokens[a:b].astype(np.int64)), states.float(),
+        states = decode_states(self.states[a:b], None if self.scales is None else self.scales[a:b], self.meta["dtype"])
+        return SequenceFeatures(torch.from_numpy(self.tokens[a:b].astype(np.int64)), states,
                                 torch.from_numpy(self.targets[a:b].astype(np.int64)),
                                 torch.from_numpy(np.array(self.mask[a:b])))
 
@@ -130,15 +189,16 @@ class FeatureStore:
         return list(self.meta.get("sequence_ids", range(len(self))))
 
 
-def write_feature_store(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], folder: str,
+def write_feature_store(model, sequences: Sequence[Sequence[int]], masks: Sequence, folder: str,
                         kind: str, dtype: str = "float16", sequence_ids: Sequence[int] | None = None,
                         log=None) -> FeatureStore:
     """Runs target_states over every sequence and writes the store (a folder that already holds a complete
-    store for the same sequences is reused)."""
+    store for the same sequences is reused). masks: per sequence, its prompt length (the answer counts from
+    the prompt's last token: answer_mask) or a bool array of the positions that count."""
     if dtype not in STATE_DTYPES:
         raise ValueError(f"feature dtype {dtype!r}: expected one of {', '.join(STATE_DTYPES)}")
-    if len(sequences) != len(prompt_lens) or not sequences:
-        raise ValueError("write_feature_store: need one prompt length per sequence, and at least one sequence")
+    if len(sequences) != len(masks) or not sequences:
+        raise ValueError("write_feature_store: need one mask or prompt length per sequence, and at least one sequence")
     lengths = [len(s) for s in sequences]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     ids = list(sequence_ids) if sequence_ids is not None else list(range(len(sequences)))
@@ -151,25 +211,30 @@ def write_feature_store(model, sequences: Sequence[Sequence[int]], prompt_lens: 
         pass
     os.makedirs(folder, exist_ok=True)
     width = (len(model.aux_hidden_layers) if kind == "aux" else 1) * model.config.hidden_size
-    np_dtype, torch_dtype = STATE_DTYPES[dtype]
+    np_dtype, _ = _storage(dtype, width)
     states = np.memmap(os.path.join(folder, "states.bin"), dtype=np_dtype, mode="w+", shape=(int(offsets[-1]), width))
+    scales = np.memmap(os.path.join(folder, "scales.bin"), dtype=np.float16, mode="w+",
+                       shape=(int(offsets[-1]), width // Q8_BLOCK)) if dtype == "q8" else None
     tokens = np.zeros(int(offsets[-1]), np.int32)
     targets = np.zeros_like(tokens)
     mask = np.zeros(int(offsets[-1]), bool)
     start = time.perf_counter()
-    for i, (seq, p) in enumerate(zip(sequences, prompt_lens)):
+    for i, (seq, m) in enumerate(zip(sequences, masks)):
         a, b = int(offsets[i]), int(offsets[i + 1])
         h, t = target_states(model, seq, kind)
-        h = h.to(torch_dtype)
-        states[a:b] = (h.view(torch.uint16) if torch_dtype == torch.bfloat16 else h).numpy()
+        states[a:b], q8_scales = encode_states(h, dtype)
+        if scales is not None:
+            scales[a:b] = q8_scales
         tokens[a:b], targets[a:b] = np.asarray(seq, np.int32), t.numpy().astype(np.int32)
-        mask[a:b] = answer_mask(b - a, p).numpy()
+        mask[a:b] = answer_mask(b - a, int(m)).numpy() if np.ndim(m) == 0 else np.asarray(m, bool)
         if log and (i + 1) % 100 == 0:
             rate = b / (time.perf_counter() - start)
             log(f"features: {i + 1}/{len(sequences)} sequences, {rate:.0f} tok/s, "
                 f"ETA {(offsets[-1] - b) / rate / 60:.1f} min")
-    states.flush()
-    del states
+    for array in (states, scales):
+        if array is not None:
+            array.flush()
+    del states, scales
     for name, array in (("offsets", offsets), ("tokens", tokens), ("targets", targets), ("mask", mask)):
         np.save(os.path.join(folder, f"{name}.npy"), array)
     meta = dict(kind=kind, dtype=dtype, width=width, hidden_size=model.config.hidden_size,

@@ -1,9 +1,11 @@
 """`specserve train-drafter`: self-distillation, features, training and a model card, in one command.
 
     specserve train-drafter --method eagle3 --prompts data/distill/prompts.jsonl --out heads/my-eagle3
+    specserve train-drafter --method eagle3 --data data/selfchat --out heads/my-eagle3
 
 1. The engine answers every prompt with the target (chat template; greedy unless --temperature), appended
-   to WORK/distilled.jsonl as it goes (WORK: --work, default OUT/work).
+   to WORK/distilled.jsonl as it goes (WORK: --work, default OUT/work). With --data, the conversations of
+   a `specserve synthesize-data` folder are used as they are (every assistant turn counts).
 2. One target pass per prompt + answer writes the states the method reads to WORK/features (memmap).
 3. The head trains on all but every `--held-out-every`-th sequence; checkpoints go to WORK every
    --checkpoint-minutes, `--resume` continues from them (and reuses steps 1-2).
@@ -22,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from specserve.train.features import FEATURE_PATHS, STATE_DTYPES
 
 METHODS = ("eagle3", "eagle", "medusa")
 
@@ -44,8 +48,12 @@ def add_train_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--method", choices=METHODS, required=True)
     p.add_argument("--model", default=None, help="target: HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--prompts", required=True,
-                   help="JSON lines of {\"prompt\": ...} or {\"messages\": [...]}, or a text file of one prompt per line")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts",
+                        help="JSON lines of {\"prompt\": ...} or {\"messages\": [...]}, or a text file of one prompt "
+                             "per line: the target answers them first")
+    source.add_argument("--data", help="a `specserve synthesize-data` folder: conversations the target already wrote")
+    p.add_argument("--max-conversations", type=int, default=None, help="--data: use the first N conversations")
     p.add_argument("--out", required=True, help="output folder (the head, its README, and work/)")
     p.add_argument("--work", default=None,
                    help="folder for answers, features, checkpoints and the log (default: OUT/work)")
@@ -56,7 +64,11 @@ def add_train_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128, help="generation batch for self-distillation")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30,
                    help="KV cache of the self-distillation engine (default: %(default)s, 4 GiB)")
-    p.add_argument("--feature-dtype", choices=["float16", "bfloat16"], default="float16")
+    p.add_argument("--feature-dtype", choices=STATE_DTYPES, default="float16",
+                   help="stored target states: float16, bfloat16 or q8 (int8 blocks of 32, about half of float16)")
+    p.add_argument("--features-from", choices=FEATURE_PATHS, default="engine",
+                   help="engine: the target as the engine runs it (a GGUF file's 4-bit blocks), what the drafter reads "
+                        "at inference; fp32: weights dequantized to float32")
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="eagle3: draft vocabulary size")
     p.add_argument("--ttt-steps", type=int, default=4, help="eagle3: training-time test steps")
     p.add_argument("--num-heads", type=int, default=4, help="medusa: number of heads")
@@ -82,13 +94,9 @@ def cmd_train_drafter(args) -> int:
 
 
 def train_drafter(args, command: str = "", log=print) -> str:
-    from specserve.llm import LLM
     from specserve.models.loader import load_model_weights
-    from specserve.models.registry import build_model
-    from specserve.sampling_params import SamplingParams
     from specserve.train import loop
-    from specserve.train.distill import distill, read_prompts
-    from specserve.train.features import Subset, TargetParts, default_aux_layers, write_feature_store
+    from specserve.train.features import Subset, TargetParts, default_aux_layers, feature_model, write_feature_store
 
     work = args.work or os.path.join(args.out, "work")
     if not args.resume and os.path.exists(work):
@@ -96,23 +104,18 @@ def train_drafter(args, command: str = "", log=print) -> str:
     os.makedirs(work, exist_ok=True)
     _check_run(work, args)
     phases = Phases()
-    prompts = read_prompts(args.prompts)[:args.max_prompts]
-    held_ids = {p["id"] for n, p in enumerate(prompts) if n % args.held_out_every == args.held_out_every - 1}
-
-    llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    seqs = distill(llm, prompts, os.path.join(work, "distilled.jsonl"), params, log=log)
-    del llm
-    phases.done("self-distillation")
+    if args.data:
+        seqs, held_ids, prompts = conversation_sequences(args.data, args.max_conversations, args.held_out_every)
+    else:
+        seqs, held_ids, prompts = distilled_sequences(args, work, log)
+        phases.done("self-distillation")
 
     loaded = load_model_weights(args.model)
     L = loaded.config["num_hidden_layers"]
     aux = default_aux_layers(L) if args.method == "eagle3" else ()
-    model = build_model(loaded.config, loaded.state_dict, dtype=torch.float32, aux_hidden_layers=aux)
-    store = write_feature_store(model, [s.token_ids for s in seqs], [len(s.prompt_token_ids) for s in seqs],
-                                os.path.join(work, "features"), "aux" if aux else "final", args.feature_dtype,
-                                [s.id for s in seqs], log=log)
+    model = feature_model(args.model, aux, args.features_from)
+    store = write_feature_store(model, [s[1] for s in seqs], [s[2] for s in seqs], os.path.join(work, "features"),
+                                "aux" if aux else "final", args.feature_dtype, [s[0] for s in seqs], log=log)
     del model
     phases.done("features")
 
@@ -132,7 +135,7 @@ def train_drafter(args, command: str = "", log=print) -> str:
         held_prompts = [p for p in prompts if p["id"] in held_ids][:args.eval_prompts]
         acceptance = measure_acceptance(args, held_prompts, min(4, args.num_heads) if args.method == "medusa" else 4)
         phases.done("acceptance check")
-    data = dict(prompts=args.prompts, num_prompts=len(prompts), num_sequences=len(store),
+    data = dict(prompts=args.data or args.prompts, num_prompts=len(prompts), num_sequences=len(store),
                 num_train=len(train_set), num_held=len(held_set), num_tokens=store.num_tokens,
                 num_loss_tokens=store.meta["num_loss_tokens"], max_tokens=args.max_tokens,
                 temperature=args.temperature)
@@ -142,9 +145,40 @@ def train_drafter(args, command: str = "", log=print) -> str:
     return args.out
 
 
+def distilled_sequences(args, work: str, log) -> tuple[list[tuple], set, list[dict]]:
+    """--prompts: the target answers them (resumable) -> ([(id, token ids, prompt length)], held-back ids,
+    prompts)."""
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+    from specserve.train.distill import distill, read_prompts
+
+    prompts = read_prompts(args.prompts)[:args.max_prompts]
+    held_ids = {p["id"] for n, p in enumerate(prompts) if n % args.held_out_every == args.held_out_every - 1}
+    llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    seqs = distill(llm, prompts, os.path.join(work, "distilled.jsonl"), params, log=log)
+    return [(s.id, s.token_ids, len(s.prompt_token_ids)) for s in seqs], held_ids, prompts
+
+
+def conversation_sequences(folder: str, limit: int | None, held_out_every: int
+                           ) -> tuple[list[tuple], set, list[dict]]:
+    """--data: ([(index, token ids, loss mask)], held-back indices, the held-back check's prompts: each
+    conversation's first user turn with its system prompt)."""
+    from specserve.train.synthesize import read_conversations
+
+    convs = read_conversations(folder)[:limit]
+    seqs = [(i, c.token_ids.tolist(), c.loss_mask) for i, c in enumerate(convs)]
+    held = {i for i in range(len(convs)) if i % held_out_every == held_out_every - 1}
+    prompts = [{"id": i, "messages": ([{"role": "system", "content": c.meta["system"]}] if c.meta["system"] else [])
+                + [{"role": "user", "content": c.meta["users"][0]}]} for i, c in enumerate(convs)]
+    return seqs, held, prompts
+
+
 def _check_run(work: str, args) -> None:
     """A resumed run must be the same run: same target, prompts and data settings."""
-    keys = ("method", "model", "prompts", "max_prompts", "max_tokens", "temperature", "feature_dtype", "seed")
+    keys = ("method", "model", "prompts", "data", "max_prompts", "max_conversations", "max_tokens", "temperature",
+            "feature_dtype", "features_from", "seed")
     run = {k: getattr(args, k) for k in keys}
     path = os.path.join(work, "run.json")
     if os.path.exists(path):
@@ -192,10 +226,15 @@ def model_card(args, command, objective, state, data, phases, acceptance) -> str
     lines = [f"# {args.method.upper()} draft head for {os.path.basename(str(args.model or 'SmolLM2-135M-Instruct'))}",
              "", f"Trained by specserve; load with `speculative_config={{\"method\": \"{args.method}\", "
              f"\"model\": <this folder>}}`.", "", "## How it was made", "", f"```\n{command}\n```", "",
-             f"- data: {data['num_prompts']} prompts from `{data['prompts']}`, answered by the target itself "
-             f"({'greedy' if not data['temperature'] else 'temperature ' + str(data['temperature'])}, at most "
-             f"{data['max_tokens']} tokens); {data['num_tokens']} tokens of prompt + answer, {data['num_loss_tokens']} "
-             f"answer positions; {data['num_train']} sequences trained on, {data['num_held']} held back",
+             (f"- data: {data['num_prompts']} conversations from `{data['prompts']}`, written and answered by the "
+              f"target itself (`specserve synthesize-data`; its manifest.json and README say how)" if args.data else
+              f"- data: {data['num_prompts']} prompts from `{data['prompts']}`, answered by the target itself "
+              f"({'greedy' if not data['temperature'] else 'temperature ' + str(data['temperature'])}, at most "
+              f"{data['max_tokens']} tokens)")
+             + f"; {data['num_tokens']} tokens in all, {data['num_loss_tokens']} answer positions; "
+             f"{data['num_train']} sequences trained on, {data['num_held']} held back",
+             f"- features: the target's states {'as the engine computes them' if args.features_from == 'engine' else 'from weights dequantized to float32'}"
+             f", stored as {args.feature_dtype}",
              *(f"- {line}" for line in objective.describe()),
              f"- training: {state.step} optimizer steps, {args.epochs} epochs, {state.num_tokens} counted positions, "
              f"AdamW lr {args.lr}, {args.batch_tokens} padded tokens per step"

@@ -420,3 +420,49 @@ def test_int8_draft_weights_stay_close(tmp_path, family):
         with torch.inference_mode():
             outs.append(head.forward(tokens, features, torch.arange(12), kv.meta([(0, 12)]), kv.cache))
     assert (outs[0] - outs[1]).abs().max().item() < 0.05 * outs[0].abs().max().item()
+
+
+@pytest.mark.parametrize("layout, weight_dtype", [("official", None), ("speculators", None), ("official", "int8")])
+def test_eagle3_c_chains_equal_the_step_by_step_drafts(tmp_path, layout, weight_dtype):
+    """draft_chains (one C call) against greedy_tokens + forward a step at a time, three requests of 1, 3 and 5
+    drafts on scattered blocks: the same drafts, and bitwise the same K/V in every slot."""
+    hf, target = llama_target(num_layers=8, aux=(2, 4, 5))
+    ckpt = load_drafter_checkpoint(write_eagle3(str(tmp_path), hf.config, layout=layout, draft_vocab_size=48).folder)
+    head = Eagle3Head(ckpt, target, weight_dtype=weight_dtype)
+    tables = [[3, 11, 6, 0], [9, 2, 14, 5, 1], [7, 12, 4, 13, 8, 10]]
+    kv = DraftKV(head, tables)
+    if head.chains_kernel(kv.cache) is None:
+        pytest.skip("the C kernels are off")
+    g_ = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 160, (n,), generator=g_).tolist() for n in (5, 9, 14)]
+    num_drafts = [1, 3, 5]
+    with torch.inference_mode():
+        aux = [target_pass(target, p)[1] for p in prompts]
+        feats = torch.cat([head.project_aux(a) for a in aux])
+        g = head.forward(torch.tensor([t for p in prompts for t in p]), feats,
+                         torch.cat([torch.arange(len(p)) for p in prompts]), kv.meta([(0, len(p)) for p in prompts]),
+                         kv.cache)
+        ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        first = g[ends]
+        caches = [tuple(c.clone() for c in kv.cache) for _ in range(2)]
+        history = [len(p) + 1 for p in prompts]  # the prompt and the token the target verified
+        c_drafts = head.draft_chains(head.chains_kernel(caches[0]), first, num_drafts, [len(p) for p in prompts],
+                                     history, tables, BLOCK_SIZE)
+        kv.cache = caches[1]
+        py_drafts, live, state = [[] for _ in prompts], [0, 1, 2], first
+        for step in range(max(num_drafts)):
+            for j, d in zip(live, head.greedy_tokens(state).tolist()):
+                py_drafts[j].append(d)
+            keep = [k for k, j in enumerate(live) if len(py_drafts[j]) < num_drafts[j]]
+            live = [live[k] for k in keep]
+            if not live:
+                break
+            index = [history[j] - 1 + step for j in live]
+            slots = [tables[j][i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE for j, i in zip(live, index)]
+            meta = build_attention_metadata([1] * len(live), [i + 1 for i in index], [tables[j] for j in live],
+                                            BLOCK_SIZE, torch.tensor(slots), True)
+            state = head.forward(torch.tensor([py_drafts[j][-1] for j in live]), state[keep],
+                                 torch.tensor([len(prompts[j]) + step for j in live]), meta, kv.cache)
+    assert c_drafts == py_drafts and [len(d) for d in c_drafts] == num_drafts
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert not torch.equal(caches[0][0], kv_caches(head.kv_cache_shape(15, BLOCK_SIZE), torch.float32, 1)[0][0])

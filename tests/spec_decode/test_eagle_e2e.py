@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from specserve.llm import LLM
 from specserve.models.loader import ModelLoadError
+from specserve.ops.kernels import kernel_usable
 from specserve.sampling_params import SamplingParams
 from specserve.tokenizer import load_tokenizer
 from tests.models.drafter_checkpoints import (WrittenDrafter, draft_vocabulary, rewrite_tensors, target_fields,
@@ -167,11 +168,13 @@ def capture_drafts(llm: LLM, transform: Callable | None = None) -> list[DraftSte
     """Record every propose() call of llm's proposer; transform(inputs) may alter the inputs first.
 
     For an EAGLE head, each greedy draw's g is kept too: draw j of a call covers the requests still drafting
-    (num_drafts > j), in batch order."""
+    (num_drafts > j), in batch order. The head drafts a step at a time for that (its one-call C chains give the
+    same drafts bitwise: tests/models/test_eagle_heads.py)."""
     proposer = llm.llm_engine.runner.proposer
     propose, steps, pending, draws = proposer.propose, [], {}, []
     head = getattr(proposer, "head", None)
     if head is not None:
+        head.chains_kernel = lambda kv_cache: None
         greedy_tokens = head.greedy_tokens
         head.greedy_tokens = lambda g: (draws.append(g.clone()), greedy_tokens(g))[1]
 
@@ -406,6 +409,25 @@ def runs(request, tmp_path_factory) -> Callable[[str], Run]:
 
 
 # ---------------------------------------------------------------- 1. greedy output
+
+
+@pytest.mark.parametrize("case", ["eagle3-counting", "eagle3-official"])
+def test_c_chains_accept_what_the_step_by_step_drafts_accept(case, runs):
+    """The engine drafting greedy chains in one C call (not captured, so the head's chains kernel runs):
+    output equals plain decoding, and with preemption and chunked prefill the same drafts are accepted at
+    every position as in the step-by-step run."""
+    run = runs(case)
+    llm = LLM(model=run.target.folder, speculative_config={"method": "eagle3", "model": run.written.folder,
+                                                           "num_speculative_tokens": K, "adaptive_draft_length": False},
+              **TIGHT)
+    head, calls = llm.llm_engine.runner.proposer.head, []
+    chains = head.draft_chains
+    head.draft_chains = lambda *args: (calls.append(len(args[2])), chains(*args))[1]
+    assert token_ids(llm.generate(run.target.prompts, PARAMS, use_tqdm=False)) == run.target.plain
+    if kernel_usable(torch.float32):
+        assert sum(calls) > 20 and max(calls) > 1
+    m = llm.get_metrics()
+    assert (m.num_drafts, m.accepted_per_position) == (run.metrics.num_drafts, run.metrics.accepted_per_position)
 
 
 @pytest.mark.parametrize("case", CASES)

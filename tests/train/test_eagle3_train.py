@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ from specserve.models.registry import build_model
 from specserve.sampling_params import SamplingParams
 from specserve.train import loop
 from specserve.train.eagle3 import Eagle3DraftModel, Eagle3HeadConfig, Eagle3Objective, build_draft_vocab
-from specserve.train.features import (FeatureStore, SequenceFeatures, answer_mask, default_aux_layers,
+from specserve.train.features import (FeatureStore, decode_states, encode_states, SequenceFeatures, answer_mask, default_aux_layers,
                                       masked_targets, target_states, write_feature_store)
 from tests.models.test_eagle_heads import DraftKV
 from tests.tiny_models import hf_config_dict, hf_state_dict, perturb_norms_and_biases, save_hf_folder, tiny_hf_model
@@ -89,6 +90,25 @@ def test_features_are_the_targets_states_and_greedy_choices(target, spec_target,
     torch.testing.assert_close(again.hidden, f.hidden, atol=2e-3, rtol=1e-3)  # float16 on disk
     assert torch.equal(again.target_ids, f.target_ids) and torch.equal(again.loss_mask, f.loss_mask)
     assert torch.equal(masked_targets(store), torch.cat([x.target_ids[x.loss_mask] for x in data[0][:3]]))
+
+
+def test_q8_features_keep_each_block_to_its_own_scale(spec_target, sequences, data, tmp_path):
+    """q8 stores int8 blocks of 32 values with a float16 scale: every value within half a step of its block's
+    scale, an outlier costs only its own block, and the store masks by a given bool array."""
+    h = torch.randn(5, 96) * torch.tensor([1.0] * 95 + [1000.0])
+    values, scales = encode_states(h, "q8")
+    back = decode_states(values, scales, "q8")
+    step = torch.from_numpy(scales).float().repeat_interleave(32, -1)
+    assert values.dtype == np.int8 and scales.shape == (5, 3)
+    assert ((back - h).abs() <= step / 2 + 1e-3 * h.abs()).all()
+    assert (back[:, :64] - h[:, :64]).abs().max() < 0.02  # blocks without the outlier keep their precision
+    masks = [np.arange(len(s)) % 3 == 0 for s in sequences[:2]]
+    store = write_feature_store(spec_target, sequences[:2], masks, str(tmp_path / "q8"), "aux", "q8")
+    assert os.path.getsize(tmp_path / "q8" / "states.bin") == store.num_tokens * store.meta["width"]
+    f = store[1]
+    assert f.loss_mask.tolist() == masks[1].tolist()
+    err = (f.hidden - data[0][1].hidden).abs() / (data[0][1].hidden.abs().amax(-1, keepdim=True) + 1e-6)
+    assert err.max() < 0.02 and torch.equal(f.target_ids, data[0][1].target_ids)
 
 
 def test_draft_vocab_is_the_most_frequent_targets_ascending(data):
@@ -279,3 +299,37 @@ def test_train_drafter_command_end_to_end(target, tmp_path):
     with pytest.raises(SystemExit):
         main(["train-drafter", "--method", "nope", "--prompts", str(prompts), "--out", str(out)])
     assert main(argv[:-2] + ["--max-num-seqs", "4", "--max-tokens", "12", "--resume"]) == 2  # another run
+
+
+def test_train_drafter_on_a_synthesized_data_folder(target, tmp_path):
+    """--data: conversations from a `synthesize-data` folder train as they are; only assistant tokens count,
+    every N-th conversation is held back, and the card names the folder and the feature settings."""
+    from specserve.cli import main
+    from specserve.train.synthesize import Conversation, Manifest, SynthConfig, write_shard
+
+    folder = save_hf_folder(target, tmp_path / "target")
+    data = tmp_path / "data"
+    data.mkdir()
+    convs = []
+    for seq in greedy(target, random_prompts(12, seed=5), 16):
+        assistant = np.zeros(len(seq), bool)
+        assistant[PROMPT_LEN:] = True
+        convs.append(Conversation(np.array(seq), assistant, {"system": "", "users": ["t5 t6 t7"], "source": "magpie",
+                                                             "answer": {"temperature": 0.0}, "finish": ["length"]}))
+    manifest = Manifest(str(data))
+    manifest.start("tiny", 0, SynthConfig(), "test")
+    manifest.add(dict(file="shard-00000.npz", sha256=write_shard(str(data / "shard-00000.npz"), convs), conversations=12,
+                      turns=12, tokens=sum(len(c.token_ids) for c in convs), answer_tokens=12 * 16))
+    out = tmp_path / "head"
+    argv = ["train-drafter", "--method", "eagle3", "--model", folder, "--data", str(data), "--out", str(out),
+            "--draft-vocab-size", "64", "--ttt-steps", "2", "--epochs", "1", "--batch-tokens", "128",
+            "--held-out-every", "4", "--eval-prompts", "0", "--feature-dtype", "q8"]
+    assert main(argv) == 0
+    store = FeatureStore(str(out / "work" / "features"))
+    assert len(store) == 12 and store.meta["dtype"] == "q8"
+    assert store.meta["num_loss_tokens"] == 12 * 16  # the prompt's last token through the answer's second-last
+    card = (out / "README.md").read_text()
+    assert "12 conversations from" in card and "9 sequences trained on, 3 held back" in card
+    assert "as the engine computes them, stored as q8" in card
+    with pytest.raises(SystemExit):  # one source of data
+        main(argv + ["--prompts", "p.jsonl"])

@@ -154,3 +154,127 @@ __attribute__((optimize("fp-contract=off"))) int moe_experts_f32(
     free(buf);
     return 0;
 }
+
+/* An EAGLE-3 head's greedy draft chains in one call: the same kernels, on the same inputs and in the same order,
+ * as specserve/models/eagle.py's Eagle3Head runs them a step at a time from Python (greedy_tokens, then forward
+ * on the draft just made), so every draft is bitwise the Python loop's; without ~0.5 ms of Python and dispatch
+ * per draft token. Fields mirror specserve/ops/kernels.py's Eagle3C. */
+typedef struct {
+    linear_t qkv, o_proj, gate_up, down, lm_head;
+    const float *input_norm, *hidden_norm, *post_norm, *norm;
+    const void *embed; /* the token embedding: rows through weight_rows (embed_format >= 0), or fp32 [V, H] */
+    int64_t embed_format, embed_group;
+    /* the LM head's argmax screen (greedy.c; screen_q NULL: the LM head's GEMM, then argmax_rows) */
+    const int8_t *screen_q;
+    const float *screen_scale;
+    const int32_t *screen_col_sum;
+    const double *screen_w_l1;
+    const int64_t *draft_ids; /* [Vd] target id of each draft id; NULL: the same */
+    float *k_cache, *v_cache;
+    int64_t window, norm_before_residual;
+} eagle3_t;
+
+static int eagle3_draw(const eagle3_t *E, const float *g, float *h, float *logits, int64_t n, int64_t H, int64_t Vd,
+                       float eps, int64_t *ids) {
+    add_rms_norm_f32(NULL, (float *)g, E->norm, h, n, H, eps); /* g is only read: no add */
+    if (E->screen_q) {
+        if (lm_head_argmax_f32(h, E->lm_head.weight, E->lm_head.format, E->lm_head.group, E->screen_q, E->screen_scale,
+                               E->screen_col_sum, E->screen_w_l1, NULL, n, H, Vd, ids))
+            return 1;
+    } else {
+        linear(&E->lm_head, h, logits, n, H, Vd);
+        argmax_rows_f32(logits, n, Vd, ids);
+    }
+    if (E->draft_ids)
+        for (int64_t r = 0; r < n; r++) ids[r] = E->draft_ids[ids[r]];
+    return 0;
+}
+
+/* g0 [R, H]: each row's head output to draw its first draft from; num_drafts [R] (>= 1); for draft step s of row r
+ * (s < max_drafts - 1, the steps that feed a draft back), at [r * (max_drafts - 1) + s]: cos/sin [.., head_dim] of
+ * its position, slots (where its K/V go) and context_len (the keys it attends to, itself included);
+ * block_table [R, table_width]. out [R, max_drafts]: the drafts (target ids), -1 past a row's num_drafts.
+ * Returns 0, or 1 when a buffer could not be allocated. */
+int eagle3_chains_f32(const eagle3_t *E, const float *g0, int64_t R, const int64_t *num_drafts, int64_t max_drafts,
+                      const float *cos, const float *sin, const int64_t *slots, const int64_t *context_len,
+                      const int64_t *block_table, int64_t table_width, int64_t H, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t Vd, int64_t block_size, float eps,
+                      float scale, int64_t *out) {
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size, steps = max_drafts - 1;
+    const int64_t floats = R * (H + H + H + 2 * H + qkv_size + q_size + q_size + H + 2 * inter + inter + H + H + Vd +
+                                2 * head_dim);
+    const int64_t ints = R * (5 + table_width);
+    float *buf = malloc(sizeof(float) * floats + sizeof(int64_t) * ints);
+    if (!buf) return 1;
+    float *g = buf, *h = g + R * H, *normed = h + R * H, *x = normed + R * H, *qkv = x + R * 2 * H;
+    float *q = qkv + R * qkv_size, *attn = q + R * q_size, *res = attn + R * q_size, *gate_up = res + R * H;
+    float *act = gate_up + R * 2 * inter, *mlp = act + R * inter, *emb = mlp + R * H, *logits = emb + R * H;
+    float *cs = logits + R * Vd, *sn = cs + R * head_dim;
+    int64_t *live = (int64_t *)(sn + R * head_dim), *ids = live + R, *query_start = ids + R, *ctx = query_start + R;
+    int64_t *qlen = ctx + R, *table = qlen + R;
+    for (int64_t i = 0; i < R * max_drafts; i++) out[i] = -1;
+    memcpy(g, g0, sizeof(float) * R * H);
+    int64_t n = R, failed = 0;
+    for (int64_t r = 0; r < R; r++) live[r] = r;
+    for (int64_t s = 0; s < max_drafts && n && !failed; s++) {
+        /* g holds the live rows' outputs, in the order of live */
+        if ((failed = eagle3_draw(E, g, h, logits, n, H, Vd, eps, ids))) break;
+        int64_t m = 0;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t r = live[j];
+            out[r * max_drafts + s] = ids[j];
+            if (s + 1 < num_drafts[r] && s < steps) { /* feeds this draft back: compact the rows that go on */
+                live[m] = r;
+                ids[m] = ids[j];
+                if (m != j) memmove(g + m * H, g + j * H, sizeof(float) * H);
+                m++;
+            }
+        }
+        n = m;
+        if (!n) break;
+        /* forward: x = [input_norm(embed(draft)); hidden_norm(g)], residual g (or its norm) */
+        add_rms_norm_f32(NULL, g, E->hidden_norm, normed, n, H, eps);
+        if (E->embed_format >= 0) {
+            weight_rows_f32(E->embed, E->embed_format, E->embed_group, H, ids, n, emb);
+        } else {
+            for (int64_t j = 0; j < n; j++) memcpy(emb + j * H, (const float *)E->embed + ids[j] * H, sizeof(float) * H);
+        }
+        add_rms_norm_f32(NULL, emb, E->input_norm, h, n, H, eps);
+        for (int64_t j = 0; j < n; j++) {
+            memcpy(x + j * 2 * H, h + j * H, sizeof(float) * H);
+            memcpy(x + j * 2 * H + H, normed + j * H, sizeof(float) * H);
+        }
+        const float *residual = E->norm_before_residual ? normed : g;
+        linear(&E->qkv, x, qkv, n, 2 * H, qkv_size);
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t at = live[j] * steps + s;
+            memcpy(cs + j * head_dim, cos + at * head_dim, sizeof(float) * head_dim);
+            memcpy(sn + j * head_dim, sin + at * head_dim, sizeof(float) * head_dim);
+            query_start[j] = j;
+            qlen[j] = 1;
+            ctx[j] = context_len[at];
+            memcpy(table + j * table_width, block_table + live[j] * table_width, sizeof(int64_t) * table_width);
+        }
+        rope_qk_f32(qkv, cs, sn, n, qkv_size, num_heads + num_kv_heads, head_dim);
+        for (int64_t j = 0; j < n; j++) {
+            const float *row = qkv + j * qkv_size;
+            const int64_t slot = slots[live[j] * steps + s];
+            memcpy(q + j * q_size, row, sizeof(float) * q_size);
+            store_key(E->k_cache, slot, row + q_size, kv_size, block_size);
+            memcpy(E->v_cache + slot * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
+        }
+        if ((failed = paged_attention_f32(q, attn, E->k_cache, E->v_cache, table, table_width, query_start, qlen, ctx,
+                                          n, num_heads, num_kv_heads, head_dim, block_size, scale, E->window)))
+            break;
+        linear(&E->o_proj, attn, res, n, q_size, H);
+        for (int64_t i = 0; i < n * H; i++) res[i] += residual[i];
+        add_rms_norm_f32(NULL, res, E->post_norm, h, n, H, eps);
+        linear(&E->gate_up, h, gate_up, n, H, 2 * inter);
+        silu_mul_f32(gate_up, act, n, inter);
+        linear(&E->down, act, mlp, n, inter, H);
+        for (int64_t i = 0; i < n * H; i++) g[i] = mlp[i] + res[i];
+    }
+    free(buf);
+    return (int)failed;
+}

@@ -44,5 +44,10 @@ int q4_i8_supported(int64_t path); /* whether this CPU (and OS) runs `path` */
 int screen_amx_self_check(int emulated); /* greedy.c: its AMX screen against its VNNI screen, 1 when equal */
 
 void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t *out);
+void weight_rows_f32(const void *data, int64_t format, int64_t group, int64_t K, const int64_t *ids, int64_t count,
+                     float *out);
+int lm_head_argmax_f32(const float *x, const void *data, int64_t format, int64_t group, const int8_t *q,
+                       const float *scale, const int32_t *col_sum, const double *w_l1, const uint8_t *allowed,
+                       int64_t M, int64_t K, int64_t N, int64_t *out);
 
 #endif

@@ -1,0 +1,592 @@
+"""Self-synthesized chat data for drafter training (Magpie, Xu et al. 2024): the target writes the users'
+messages itself and answers them, so a drafter learns the target's own answers to the broad requests a chat
+model gets, with nothing downloaded.
+
+    specserve synthesize-data --out data/selfchat --shards 80
+
+A user turn is sampled from the target's chat template cut where a user message starts (with or without a
+system prompt), then filtered: length, degenerate text (repetition, non-text, template tokens), exact and
+near duplicates of every earlier user turn (MinHash over word 3-grams), and any turn sharing more than 30%
+of its word 5-grams with a Spec-Bench prompt (the evaluation set). A share of first turns comes from the
+task templates of `specserve.train.prompts` instead. The target answers through the engine's batched
+generation (greedy, or sampled at temperature 0.7-1.0), and a share of conversations goes on: the target
+writes the next user turn after its own answer, and answers it.
+
+Each shard is one compressed file of token ids (`shard-NNNNN.npz`: the whole conversation as the template
+renders it, and which tokens the target generated as the assistant) plus the user turns' text; the manifest
+(`manifest.json`) lists every shard with its seed, counts and checksum. Shard i depends only on the seed, the
+model and the shards before it, so an interrupted run resumes at the first missing shard.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shlex
+import time
+import zlib
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+# System prompts the synthesized conversations start with (written for this project, Apache-2.0); "" means
+# none, so the template's own default applies.
+SYSTEM_PROMPTS = (
+    "",
+    "You are a helpful assistant.",
+    "You are a knowledgeable assistant. Answer clearly and accurately.",
+    "You are a concise assistant: answer in a few sentences.",
+    "You are a friendly assistant who explains things step by step.",
+    "You are an expert programmer who writes clean, commented code.",
+    "You are a patient math tutor. Show your reasoning.",
+    "You are a creative writer who helps with stories, poems and letters.",
+    "You are a travel and lifestyle advisor.",
+    "You are a science teacher for curious students.",
+    "You are a careful editor who improves and rewrites text.",
+    "You are a business and career coach.",
+    "You are a helpful assistant for cooking, health and everyday life.",
+    "You are a history and geography expert.",
+)
+SPECIAL_TEXT = re.compile(r"<\|[^|>]*\|>|</?s>|\[INST\]|<start_of_turn>|<end_of_turn>")
+WORD = re.compile(r"\w+")
+
+
+# ---------------------------------------------------------------- filters
+
+
+def words(text: str) -> list[str]:
+    return WORD.findall(text.lower())
+
+
+def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
+    w = words(text)
+    return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
+
+
+def degenerate_reason(text: str, min_words: int = 3, max_words: int = 250, max_chars: int = 1600) -> str | None:
+    """Why a synthesized user turn is unusable, or None: empty or out of length bounds, chat-template
+    tokens, non-text (few letters, control or replacement characters), or degenerate repetition (a character
+    run, few distinct words, one word 3-gram repeated over a fifth of the text)."""
+    w = words(text)
+    if not w:
+        return "empty"
+    if len(w) < min_words:
+        return "too short"
+    if len(w) > max_words or len(text) > max_chars:
+        return "too long"
+    if SPECIAL_TEXT.search(text):
+        return "template tokens"
+    visible = [c for c in text if not c.isspace()]
+    if "\ufffd" in text or any(ord(c) < 32 and c not in "\n\t\r" for c in text):
+        return "non-text"
+    if re.search(r"(\S)\1{11,}", text):
+        return "repetition"
+    if sum(c.isalpha() for c in visible) < 0.6 * len(visible):
+        return "non-text"
+    if len(w) >= 20 and len(set(w)) < 0.35 * len(w):
+        return "repetition"
+    grams = Counter(tuple(w[i:i + 3]) for i in range(len(w) - 2))
+    if grams:
+        count = grams.most_common(1)[0][1]
+        if count >= 4 and 3 * count > 0.2 * len(w):
+            return "repetition"
+    return None
+
+
+_PRIME = (1 << 61) - 1
+
+
+def _shingle_hashes(grams: Iterable[tuple[str, ...]]) -> np.ndarray:
+    return np.array([zlib.crc32(" ".join(g).encode()) for g in grams], dtype=np.uint64)
+
+
+class NearDuplicates:
+    """Exact and near-duplicate detection over many short texts: a text is a near duplicate of an earlier
+    one when the Jaccard similarity of their word 3-gram sets (word sets under 3 words) is at least
+    `threshold`. Candidates come from MinHash signatures in LSH bands and are confirmed on the sets."""
+
+    def __init__(self, threshold: float = 0.6, num_perm: int = 64, bands: int = 16, n: int = 3, seed: int = 0) -> None:
+        if num_perm % bands:
+            raise ValueError(f"num_perm {num_perm} must be a multiple of bands {bands}")
+        rng = np.random.default_rng(seed)
+        self.a = rng.integers(1, 1 << 31, num_perm, dtype=np.uint64)
+        self.b = rng.integers(0, 1 << 31, num_perm, dtype=np.uint64)
+        self.threshold, self.bands, self.n = threshold, bands, n
+        self.rows = num_perm // bands
+        self.exact: set[str] = set()
+        self.sets: list[frozenset] = []
+        self.buckets: list[dict[bytes, list[int]]] = [{} for _ in range(bands)]
+
+    def _shingles(self, text: str) -> frozenset:
+        w = words(text)
+        n = min(self.n, len(w))
+        return frozenset(tuple(w[i:i + n]) for i in range(len(w) - n + 1)) if w else frozenset()
+
+    def _signature(self, shingles: frozenset) -> np.ndarray:
+        h = _shingle_hashes(shingles)[:, None]
+        # (a * h + b) mod p with a, h < 2^32: exact in uint64, no overflow
+        return ((self.a[None, :] * h + self.b[None, :]) % np.uint64(_PRIME)).min(0)
+
+    def duplicate_of(self, text: str) -> int | None:
+        """Index of an earlier text this one duplicates (exactly: -1), or None."""
+        key = " ".join(words(text))
+        if key in self.exact:
+            return -1
+        shingles = self._shingles(text)
+        if not shingles:
+            return None
+        sig = self._signature(shingles)
+        seen = set()
+        for band, table in enumerate(self.buckets):
+            for j in table.get(sig[band * self.rows:(band + 1) * self.rows].tobytes(), ()):
+                if j not in seen:
+                    seen.add(j)
+                    other = self.sets[j]
+                    if len(shingles & other) >= self.threshold * len(shingles | other):
+                        return j
+        return None
+
+    def add(self, text: str) -> bool:
+        """Adds text unless it duplicates an earlier one; True if added."""
+        if self.duplicate_of(text) is not None:
+            return False
+        self.exact.add(" ".join(words(text)))
+        shingles = self._shingles(text)
+        index = len(self.sets)
+        self.sets.append(shingles)
+        if shingles:
+            sig = self._signature(shingles)
+            for band, table in enumerate(self.buckets):
+                table.setdefault(sig[band * self.rows:(band + 1) * self.rows].tobytes(), []).append(index)
+        return True
+
+
+class OverlapGuard:
+    """Keeps evaluation text out: share(text) is the largest fraction of text's word 5-grams that any one
+    reference contains; texts above max_share are rejected."""
+
+    def __init__(self, references: Sequence[str], n: int = 5, max_share: float = 0.3) -> None:
+        self.n, self.max_share = n, max_share
+        self.index: dict[tuple[str, ...], list[int]] = {}
+        for i, ref in enumerate(references):
+            for g in word_ngrams(ref, n):
+                self.index.setdefault(g, []).append(i)
+
+    def share(self, text: str) -> float:
+        grams = word_ngrams(text, self.n)
+        if not grams:
+            return 0.0
+        hits = Counter(i for g in grams for i in self.index.get(g, ()))
+        return max(hits.values(), default=0) / len(grams)
+
+    def rejects(self, text: str) -> bool:
+        return self.share(text) > self.max_share
+
+
+def specbench_texts(path: str | None = None) -> list[str]:
+    """Every turn of every Spec-Bench question (the benchmarks' dataset)."""
+    from specserve.bench.common import DEFAULT_DATASET, read_specbench
+
+    return [t for row in read_specbench(path or DEFAULT_DATASET) for t in row["turns"] if isinstance(t, str)]
+
+
+@dataclass
+class Filters:
+    """The user-turn filter chain, with rejection counts by reason."""
+
+    near: NearDuplicates = field(default_factory=NearDuplicates)
+    guard: OverlapGuard | None = None
+    rejected: Counter = field(default_factory=Counter)
+
+    def reason(self, text: str) -> str | None:
+        why = degenerate_reason(text)
+        if why is None and self.guard is not None and self.guard.rejects(text):
+            why = "evaluation overlap"
+        if why is None and self.near.duplicate_of(text) is not None:
+            why = "duplicate"
+        return why
+
+    def accept(self, text: str) -> bool:
+        why = self.reason(text)
+        if why is not None:
+            self.rejected[why] += 1
+            return False
+        self.near.add(text)
+        return True
+
+
+# ---------------------------------------------------------------- shards
+
+
+@dataclass
+class Conversation:
+    """token_ids: [T] the conversation as the chat template renders it, through the last answer;
+    assistant: [T] bool, tokens the target generated as the assistant; meta: the user turns' text, system
+    prompt, source, answer sampling and finish reasons."""
+
+    token_ids: np.ndarray
+    assistant: np.ndarray
+    meta: dict
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        """[T] bool: positions whose next token is an assistant token (what a drafter is trained to predict)."""
+        mask = np.zeros_like(self.assistant)
+        mask[:-1] = self.assistant[1:]
+        return mask
+
+
+def write_shard(path: str, conversations: Sequence[Conversation]) -> str:
+    """Writes the shard atomically; returns its sha256."""
+    tokens = np.concatenate([c.token_ids for c in conversations]) if conversations else np.zeros(0, np.int64)
+    dtype = np.uint16 if tokens.size == 0 or int(tokens.max()) < 1 << 16 else np.uint32
+    offsets = np.cumsum([0] + [len(c.token_ids) for c in conversations]).astype(np.int64)
+    assistant = np.concatenate([c.assistant for c in conversations]) if conversations else np.zeros(0, bool)
+    meta = json.dumps([c.meta for c in conversations], ensure_ascii=False).encode()
+    buf = io.BytesIO()
+    np.savez_compressed(buf, tokens=tokens.astype(dtype), offsets=offsets,
+                        assistant=np.packbits(assistant.astype(bool)), meta=np.frombuffer(meta, np.uint8))
+    data = buf.getvalue()
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_shard(path: str) -> list[Conversation]:
+    with np.load(path) as z:
+        tokens, offsets = z["tokens"].astype(np.int64), z["offsets"]
+        assistant = np.unpackbits(z["assistant"], count=len(tokens)).astype(bool)
+        meta = json.loads(z["meta"].tobytes().decode())
+    return [Conversation(tokens[a:b], assistant[a:b], m) for a, b, m in zip(offsets[:-1], offsets[1:], meta)]
+
+
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+# ---------------------------------------------------------------- generation
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    """What a shard is made of (the manifest records it; a resumed run must match it)."""
+
+    conversations_per_shard: int = 256
+    template_share: float = 0.1
+    no_system_share: float = 0.4
+    user_temperature: float = 0.9
+    user_top_p: float = 0.95
+    user_max_tokens: int = 160
+    answer_max_tokens: int = 640
+    sampled_share: float = 0.3
+    sampled_temperature: tuple[float, float] = (0.7, 1.0)
+    multi_turn_share: float = 0.35
+    max_turns: int = 3
+    max_seq_tokens: int = 2048
+
+
+def pre_query(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the chat template rendered for messages + a user turn, cut where the user's text starts."""
+    sentinel = "\u2063SENTINEL\u2063"
+    text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": sentinel}], add_generation_prompt=False)
+    return tokenizer.encode(text[:text.index(sentinel)], add_special_tokens=False)
+
+
+def render(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class _Conv:
+    def __init__(self, system: str, source: str, first_user: str, answer: dict, turns: int) -> None:
+        self.system, self.source, self.answer, self.turns = system, source, answer, turns
+        self.messages = ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": first_user}]
+        self.users = [first_user]
+        self.spans: list[tuple[int, int]] = []
+        self.token_ids: list[int] = []
+        self.finish: list[str] = []
+
+    def add_answer(self, prompt_ids: list[int], out_ids: list[int], text: str, finish: str) -> bool:
+        """Appends an answer turn; False (and nothing added) if the template's rendering of the conversation
+        so far does not start with the tokens kept so far (a tokenization that does not round-trip)."""
+        if prompt_ids[:len(self.token_ids)] != self.token_ids:
+            return False
+        self.spans.append((len(prompt_ids), len(prompt_ids) + len(out_ids)))
+        self.token_ids = list(prompt_ids) + list(out_ids)
+        self.messages.append({"role": "assistant", "content": text})
+        self.finish.append(finish)
+        return True
+
+    def record(self) -> Conversation:
+        assistant = np.zeros(len(self.token_ids), bool)
+        for a, b in self.spans:
+            assistant[a:b] = True
+        meta = dict(source=self.source, system=self.system, users=self.users[:len(self.spans)],
+                    answer=self.answer, finish=self.finish)
+        return Conversation(np.asarray(self.token_ids, np.int64), assistant, meta)
+
+
+def make_shard(llm, index: int, seed: int, config: SynthConfig, filters: Filters, template_prompts: Sequence[str],
+               log=print) -> list[Conversation]:
+    """One shard of conversations, deterministic for (seed, index, the filters' state)."""
+    from specserve.sampling_params import SamplingParams
+
+    tok = llm.get_tokenizer()
+    rng = np.random.default_rng([seed, index])
+    c = config
+    n_template = int(round(c.conversations_per_shard * c.template_share))
+
+    def seed_of() -> int:
+        return int(rng.integers(0, 2 ** 31 - 1))
+
+    def system_choice() -> str:
+        return "" if rng.random() < c.no_system_share else str(rng.choice(SYSTEM_PROMPTS[1:]))
+
+    def user_params() -> SamplingParams:
+        return SamplingParams(temperature=c.user_temperature, top_p=c.user_top_p, max_tokens=c.user_max_tokens,
+                              seed=seed_of())
+
+    firsts: list[tuple[str, str, str]] = []  # (system, source, text)
+    for j in rng.permutation(len(template_prompts))[:4 * n_template] if n_template else []:
+        if len(firsts) >= n_template:
+            break
+        if filters.accept(template_prompts[j]):
+            firsts.append((system_choice(), "template", template_prompts[j]))
+    for _ in range(6):
+        need = c.conversations_per_shard - len(firsts)
+        if need <= 0:
+            break
+        systems = [system_choice() for _ in range(int(need * 1.6) + 8)]
+        prompts = [pre_query(tok, [{"role": "system", "content": s}] if s else []) for s in systems]
+        outs = llm.generate(prompts, [user_params() for _ in systems], use_tqdm=False)
+        for s, out in zip(systems, outs):
+            text = out.outputs[0].text.strip()
+            if len(firsts) >= c.conversations_per_shard:
+                break
+            if out.outputs[0].finish_reason != "stop":
+                filters.rejected["unfinished"] += 1
+            elif filters.accept(text):
+                firsts.append((s, "magpie", text))
+
+    convs = []
+    for system, source, text in firsts:
+        sampled = rng.random() < c.sampled_share
+        answer = dict(temperature=round(float(rng.uniform(*c.sampled_temperature)), 3), seed=seed_of()) \
+            if sampled else dict(temperature=0.0)
+        turns = 1 if rng.random() >= c.multi_turn_share else int(rng.integers(2, c.max_turns + 1))
+        convs.append(_Conv(system, source, text, answer, turns))
+
+    active = list(convs)
+    for turn in range(c.max_turns):
+        prompt_ids = [render(tok, conv.messages) for conv in active]
+        params = [SamplingParams(temperature=conv.answer["temperature"], seed=conv.answer.get("seed", 0) + turn,
+                                 max_tokens=min(c.answer_max_tokens, max(1, c.max_seq_tokens - len(ids))))
+                  for conv, ids in zip(active, prompt_ids)]
+        outs = llm.generate(prompt_ids, params, use_tqdm=False)
+        going = []
+        for conv, ids, out in zip(active, prompt_ids, outs):
+            o = out.outputs[0]
+            if out.error or not conv.add_answer(ids, o.token_ids, o.text, o.finish_reason):
+                continue
+            if len(conv.spans) < conv.turns and o.finish_reason == "stop" \
+                    and len(conv.token_ids) < c.max_seq_tokens - c.answer_max_tokens // 2:
+                going.append(conv)
+        if not going:
+            break
+        outs = llm.generate([pre_query(tok, conv.messages) for conv in going], [user_params() for _ in going],
+                            use_tqdm=False)
+        active = []
+        for conv, out in zip(going, outs):
+            text = out.outputs[0].text.strip()
+            if out.outputs[0].finish_reason != "stop":
+                filters.rejected["unfinished"] += 1
+            elif filters.accept(text):
+                conv.messages.append({"role": "user", "content": text})
+                conv.users.append(text)
+                active.append(conv)
+        if not active:
+            break
+    return [conv.record() for conv in convs if conv.spans]
+
+
+def shard_stats(conversations: Sequence[Conversation]) -> dict:
+    return dict(conversations=len(conversations), turns=sum(len(c.meta["users"]) for c in conversations),
+                tokens=int(sum(len(c.token_ids) for c in conversations)),
+                answer_tokens=int(sum(int(c.assistant.sum()) for c in conversations)))
+
+
+class Manifest:
+    """manifest.json of a data folder: the command, model, seed and config, and one entry per shard."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.path = folder, os.path.join(folder, "manifest.json")
+        self.data = json.load(open(self.path)) if os.path.exists(self.path) else None
+
+    def start(self, model: str, seed: int, config: SynthConfig, command: str) -> None:
+        run = json.loads(json.dumps(dict(model=model, seed=seed, config=asdict(config))))
+        if self.data is not None:
+            changed = [k for k in run if self.data.get(k) != run[k]]
+            if changed:
+                raise ValueError(f"{self.folder}: the shards there were made with another {', '.join(changed)}; "
+                                 f"use another --out")
+            self.data["commands"] = list(dict.fromkeys(self.data.get("commands", []) + [command]))
+        else:
+            self.data = dict(format=1, **run, commands=[command], shards=[])
+        self.save()
+
+    @property
+    def shards(self) -> list[dict]:
+        return self.data["shards"] if self.data else []
+
+    def add(self, entry: dict) -> None:
+        self.data["shards"].append(entry)
+        keys = ("conversations", "turns", "tokens", "answer_tokens")
+        self.data["totals"] = {k: sum(s[k] for s in self.shards) for k in keys}
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1)
+        os.replace(tmp, self.path)
+
+    def verified_shards(self) -> list[dict]:
+        """The listed shards, each checked against its checksum (a missing or changed file is an error)."""
+        for s in self.shards:
+            path = os.path.join(self.folder, s["file"])
+            if not os.path.exists(path) or file_sha256(path) != s["sha256"]:
+                raise ValueError(f"{path}: missing or not the file the manifest lists (sha256 differs)")
+        return self.shards
+
+
+def read_conversations(folder: str) -> list[Conversation]:
+    """Every conversation of a data folder's shards, in shard order."""
+    manifest = Manifest(folder)
+    if manifest.data is None:
+        raise FileNotFoundError(f"{folder}: no manifest.json (make one with `specserve synthesize-data`)")
+    return [c for s in manifest.verified_shards() for c in read_shard(os.path.join(folder, s["file"]))]
+
+
+def synthesize(llm, folder: str, num_shards: int, seed: int, config: SynthConfig, model_name: str,
+               command: str = "", guard: OverlapGuard | None = None, template_prompts: Sequence[str] = (),
+               log=print) -> Manifest:
+    """Makes shards until the folder has num_shards; resumes after the last complete one."""
+    os.makedirs(folder, exist_ok=True)
+    manifest = Manifest(folder)
+    manifest.start(model_name, seed, config, command)
+    filters = Filters(guard=guard)
+    for s in manifest.verified_shards():  # earlier shards' user turns: later shards must not repeat them
+        for conv in read_shard(os.path.join(folder, s["file"])):
+            for text in conv.meta["users"]:
+                filters.near.add(text)
+    for index in range(len(manifest.shards), num_shards):
+        start = time.perf_counter()
+        convs = make_shard(llm, index, seed, config, filters, template_prompts, log=log)
+        name = f"shard-{index:05d}.npz"
+        sha = write_shard(os.path.join(folder, name), convs)
+        stats = shard_stats(convs)
+        seconds = time.perf_counter() - start
+        manifest.add(dict(file=name, index=index, seed=[seed, index], sha256=sha, seconds=round(seconds, 1),
+                          rejected=dict(filters.rejected), **stats))
+        filters.rejected.clear()
+        log(f"shard {index + 1}/{num_shards}: {stats['conversations']} conversations, {stats['turns']} turns, "
+            f"{stats['answer_tokens']} answer tokens in {seconds / 60:.1f} min "
+            f"({stats['answer_tokens'] / seconds:.0f} answer tok/s); total {manifest.data['totals']}")
+    return manifest
+
+
+# ---------------------------------------------------------------- the mix
+
+
+TASK_KEYWORDS = (
+    ("code", r"\b(python|code|function|program|javascript|java|sql|script|api|debug|html|css|c\+\+|algorithm)\b"),
+    ("math", r"\b(solve|equation|calculate|math|sum|percent|probability|number|integer|\d+\s*[-+*/x]\s*\d+)\b"),
+    ("writing", r"\b(write|poem|story|essay|letter|email|blog|article|song|script|rewrite|draft)\b"),
+    ("list/plan", r"\b(list|plan|steps|ideas|tips|suggest|recommend|ways|schedule)\b"),
+    ("explain", r"\b(explain|what is|what are|why|how does|how do|describe|difference)\b"),
+    ("advice", r"\b(help|advice|should i|i need|i'm|i am|my)\b"),
+)
+
+
+def task_of(text: str) -> str:
+    t = text.lower()
+    return next((name for name, pattern in TASK_KEYWORDS if re.search(pattern, t)), "other")
+
+
+def describe(folder: str, guard: OverlapGuard | None = None) -> dict:
+    """The mix of a data folder: sources, system prompts, turns, answer sampling and length, task kinds of
+    the first user turns (keyword rules), distinct word n-grams of the user turns, and the largest
+    Spec-Bench 5-gram share of any user turn."""
+    convs = read_conversations(folder)
+    users = [u for c in convs for u in c.meta["users"]]
+    all_words = [words(u) for u in users]
+
+    def distinct(n: int) -> float:
+        grams = [tuple(w[i:i + n]) for w in all_words for i in range(len(w) - n + 1)]
+        return len(set(grams)) / max(1, len(grams))
+
+    answer_lengths = [int(c.assistant.sum()) for c in convs]
+    out = dict(
+        conversations=len(convs), user_turns=len(users),
+        tokens=int(sum(len(c.token_ids) for c in convs)), answer_tokens=int(sum(answer_lengths)),
+        sources=dict(Counter(c.meta["source"] for c in convs)),
+        turns=dict(sorted(Counter(len(c.meta["users"]) for c in convs).items())),
+        system_prompt=dict(none=sum(not c.meta["system"] for c in convs),
+                           some=sum(bool(c.meta["system"]) for c in convs)),
+        sampled=sum(c.meta["answer"]["temperature"] > 0 for c in convs),
+        finish=dict(Counter(f for c in convs for f in c.meta["finish"])),
+        answer_tokens_median=float(np.median(answer_lengths)) if convs else 0.0,
+        tasks=dict(Counter(task_of(c.meta["users"][0]) for c in convs).most_common()),
+        distinct_1=round(distinct(1), 4), distinct_2=round(distinct(2), 4), distinct_3=round(distinct(3), 4))
+    if guard is not None:
+        out["max_specbench_5gram_share"] = round(max((guard.share(u) for u in users), default=0.0), 3)
+    return out
+
+
+def add_synthesize_parser(sub) -> None:
+    p = sub.add_parser("synthesize-data", help="self-synthesized chat data for drafter training (Magpie)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="data folder (shards and manifest.json)")
+    p.add_argument("--shards", type=int, default=None, help="make shards until the folder has this many")
+    p.add_argument("--model", default=None, help="target: HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--conversations-per-shard", type=int, default=SynthConfig.conversations_per_shard)
+    p.add_argument("--answer-max-tokens", type=int, default=SynthConfig.answer_max_tokens)
+    p.add_argument("--max-num-seqs", type=int, default=128, help="generation batch")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--describe", action="store_true", help="print the folder's mix as JSON and exit")
+    p.set_defaults(func=cmd_synthesize)
+
+
+def cmd_synthesize(args) -> int:
+    guard = OverlapGuard(specbench_texts())
+    if args.describe:
+        print(json.dumps(describe(args.out, guard), indent=1))
+        return 0
+    if args.shards is None:
+        raise SystemExit("specserve synthesize-data: --shards is required (or --describe)")
+    import torch
+
+    from specserve.llm import LLM
+    from specserve.train.prompts import build_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = SynthConfig(conversations_per_shard=args.conversations_per_shard,
+                         answer_max_tokens=args.answer_max_tokens)
+    llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed)
+    templates = [p["prompt"] for p in build_prompts(4000, args.seed)] if config.template_share else []
+    command = "specserve " + " ".join(shlex.quote(a) for a in args.argv)
+    synthesize(llm, args.out, args.shards, args.seed, config, os.path.basename(str(args.model or "default")),
+               command, guard, templates)
+    return 0

@@ -1,0 +1,285 @@
+"""Self-synthesized training data: the user-turn filters, near-duplicate and evaluation-overlap detection
+against brute force, shard round trip, multi-turn conversations whose assistant tokens are exactly the
+generated ones, resume, and the shipped data's distance from Spec-Bench."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from specserve.train.synthesize import (Conversation, Filters, Manifest, NearDuplicates, OverlapGuard, SynthConfig,
+                                        _Conv, degenerate_reason, describe, read_conversations, read_shard,
+                                        specbench_texts, synthesize, word_ngrams, words, write_shard)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHIPPED = os.path.join(REPO, "data", "selfchat")
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("", "empty"), ("   \n", "empty"), ("hi there", "too short"),
+    ("word " * 300, "too long"),
+    ("Tell me <|im_start|>assistant about cats", "template tokens"),
+    ("12345 67890 %%%% 1111 2222 ???? ++++ a", "non-text"),
+    ("What is \ufffd this thing here?", "non-text"),
+    ("Please help me!!!!!!!!!!!!!!!! now with this", "repetition"),
+    ("buy the cat " * 12 + "please", "repetition"),
+    (" ".join(["alpha", "beta"] * 15), "repetition"),
+])
+def test_degenerate_user_turns_are_rejected_with_their_reason(text, reason):
+    assert degenerate_reason(text) == reason
+
+
+@pytest.mark.parametrize("text", [
+    "How can I improve my public speaking skills?",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "I'm planning a trip to Lisbon in May. What should I see in three days, and what should I eat?",
+    "Solve for x: 3x + 7 = 22. Show each step.",
+])
+def test_ordinary_user_turns_pass(text):
+    assert degenerate_reason(text) is None
+
+
+def jaccard3(a: str, b: str) -> float:
+    def grams(t):
+        w = words(t)
+        n = min(3, len(w))
+        return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
+    x, y = grams(a), grams(b)
+    return len(x & y) / len(x | y)
+
+
+def test_near_duplicates_match_brute_force_jaccard():
+    """Texts with a known overlap: every pair at Jaccard >= 0.85 is caught (LSH recall), and nothing below
+    the 0.6 threshold is ever called a duplicate (candidates are confirmed exactly)."""
+    r = random.Random(0)
+    vocab = [f"w{i}" for i in range(400)]
+    bases = [[r.choice(vocab) for _ in range(30)] for _ in range(60)]
+    texts = []
+    for b in bases:
+        texts.append(" ".join(b))
+        edited = list(b)
+        for _ in range(r.choice([1, 2, 12])):  # a light edit (near duplicate) or a heavy one (not)
+            edited[r.randrange(len(edited))] = r.choice(vocab)
+        texts.append(" ".join(edited))
+    near = NearDuplicates()
+    kept = []
+    for t in texts:
+        j = near.duplicate_of(t)
+        if j is None:
+            near.add(t)
+            kept.append(t)
+        elif j >= 0:
+            assert jaccard3(t, kept[j]) >= 0.6
+        best = max((jaccard3(t, k) for k in kept if k is not t), default=0.0)
+        if best >= 0.85:
+            assert j is not None
+    assert 60 <= len(kept) < 120
+    assert near.duplicate_of(texts[0].upper() + " ") == -1  # exact, after normalizing case and spacing
+
+
+def test_overlap_guard_is_the_largest_5gram_share_of_any_one_reference():
+    r = random.Random(1)
+    vocab = [f"v{i}" for i in range(50)]
+    refs = [" ".join(r.choice(vocab) for _ in range(r.randint(3, 40))) for _ in range(30)]
+    guard = OverlapGuard(refs)
+    for _ in range(200):
+        ref = r.choice(refs).split()
+        text = " ".join(ref[:r.randint(0, len(ref))] + [r.choice(vocab) for _ in range(r.randint(0, 20))])
+        grams = word_ngrams(text, 5)
+        brute = max((len(grams & word_ngrams(x, 5)) / len(grams) for x in refs), default=0.0) if grams else 0.0
+        assert guard.share(text) == pytest.approx(brute)
+        assert guard.rejects(text) == (brute > 0.3)
+
+
+def test_specbench_prompts_are_rejected_and_unrelated_text_is_not():
+    texts = specbench_texts()
+    guard = OverlapGuard(texts)
+    long_ones = [t for t in texts if len(word_ngrams(t, 5)) >= 4]
+    assert long_ones and all(guard.rejects(t) for t in long_ones)
+    assert all(guard.rejects("Hi! " + t + " Thanks a lot.") for t in long_ones[:50])
+    assert not guard.rejects("Can you suggest three vegetarian dinners that take under thirty minutes to cook?")
+
+
+def conversation(r: random.Random, n: int) -> Conversation:
+    ids = np.array([r.randrange(60000) for _ in range(n)], np.int64)
+    mask = np.array([r.random() < 0.5 for _ in range(n)])
+    return Conversation(ids, mask, {"users": [f"u{n}"], "source": "magpie", "note": "é"})
+
+
+def test_shard_round_trip_is_exact(tmp_path):
+    r = random.Random(2)
+    convs = [conversation(r, n) for n in (1, 7, 300, 64)]
+    path = str(tmp_path / "s.npz")
+    write_shard(path, convs)
+    back = read_shard(path)
+    assert len(back) == 4
+    for a, b in zip(convs, back):
+        assert np.array_equal(a.token_ids, b.token_ids) and np.array_equal(a.assistant, b.assistant)
+        assert a.meta == b.meta
+    big = Conversation(np.array([70000, 3]), np.array([True, False]), {"users": []})
+    write_shard(path, [big])
+    assert read_shard(path)[0].token_ids.tolist() == [70000, 3]  # ids past uint16 keep their width
+
+
+def test_loss_mask_counts_the_positions_that_predict_assistant_tokens():
+    c = Conversation(np.arange(6), np.array([False, False, True, True, False, True]), {})
+    assert c.loss_mask.tolist() == [False, True, True, False, True, False]
+
+
+# ---------------------------------------------------------------- generation with a scripted engine
+
+
+class CharTokenizer:
+    """A chat template of '<role>content|' and one id per character: it round-trips exactly."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=False):
+        text = "".join(f"<{m['role']}>{m['content']}|" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+class ScriptedLLM:
+    """Writes user turns from a pool (some degenerate, some duplicated) and answers as a deterministic
+    function of the prompt and the sampling seed; records every request."""
+
+    def __init__(self, seed: int = 0) -> None:
+        r = random.Random(seed)
+        topics = ["cats", "rivers", "taxes", "chess", "bread", "rockets", "poems", "jazz", "glaciers", "maps"]
+        self.pool = [f"Tell me about {a} and {b} in {k} short points please" for a, b, k in
+                     itertools.product(topics, topics, ["two", "five"])]
+        r.shuffle(self.pool)
+        self.pool += ["!!!!!!!!!!!!!!!!!!!!!!!!!!", "ok", self.pool[0]]
+        self.tok = CharTokenizer()
+        self.requests = []
+
+    def get_tokenizer(self):
+        return self.tok
+
+    def generate(self, prompts, params, use_tqdm=False):
+        outs = []
+        for ids, p in zip(prompts, params):
+            self.requests.append((list(ids), p))
+            text = self.tok.decode(ids)
+            if text.endswith("<user>"):
+                r = random.Random(p.seed)
+                t = r.choice(self.pool) if r.random() > 0.1 else r.choice(self.pool[-3:])
+                finish = "length" if r.random() < 0.05 else "stop"
+            else:
+                r = random.Random(hash((tuple(ids), p.seed if p.temperature else None)) & 0xFFFF)
+                t = " ".join(r.choice(["yes", "so", "the", "answer", "is"]) for _ in range(r.randint(2, 9)))
+                finish = "stop" if r.random() < 0.8 else "length"
+            out_ids = self.tok.encode(t)[:p.max_tokens]
+            outs.append(SimpleNamespace(error=None, outputs=[SimpleNamespace(
+                text=self.tok.decode(out_ids), token_ids=out_ids, finish_reason=finish)]))
+        return outs
+
+
+def test_conversations_keep_exactly_the_generated_assistant_tokens(tmp_path):
+    llm = ScriptedLLM()
+    config = SynthConfig(conversations_per_shard=40, multi_turn_share=0.6, max_turns=3, template_share=0.1,
+                         answer_max_tokens=64, max_seq_tokens=4096)
+    templates = [f"Summarize the module number {i} for a beginner" for i in range(30)]
+    manifest = synthesize(llm, str(tmp_path), 2, 7, config, "scripted", "cmd", OverlapGuard(["x"]), templates,
+                          log=lambda *_: None)
+    convs = read_conversations(str(tmp_path))
+    assert manifest.data["totals"]["conversations"] == len(convs) > 60
+    generated = {}
+    for ids, p in llm.requests:
+        generated.setdefault(tuple(ids), []).append(p)
+    tok = llm.tok
+    multi = 0
+    users = [u for c in convs for u in c.meta["users"]]
+    assert len(users) == len(set(users)) and all(degenerate_reason(u) is None for u in users)
+    assert {c.meta["source"] for c in convs} == {"magpie", "template"}
+    for c in convs:
+        text = tok.decode(c.token_ids.tolist())
+        assert text.startswith(f"<system>{c.meta['system']}|" if c.meta["system"] else "<user>")
+        spans = np.flatnonzero(np.diff(np.r_[0, c.assistant.astype(int), 0]))
+        assert len(spans) // 2 == len(c.meta["users"]) == len(c.meta["finish"])
+        multi += len(c.meta["users"]) > 1
+        for (a, b), user in zip(spans.reshape(-1, 2), c.meta["users"]):
+            prompt = c.token_ids[:a].tolist()
+            assert tuple(prompt) in generated  # the tokens before each answer are a prompt the engine saw
+            assert tok.decode(prompt).endswith(f"<user>{user}|<assistant>")
+            assert b - a <= 64
+    assert multi >= 5
+    mix = describe(str(tmp_path), OverlapGuard(["Tell me about cats and rivers in two short points please"]))
+    assert mix["conversations"] == len(convs) and mix["max_specbench_5gram_share"] > 0.3
+
+
+def test_resume_makes_the_same_shards_and_a_changed_config_is_refused(tmp_path):
+    config = SynthConfig(conversations_per_shard=12, answer_max_tokens=32)
+    kw = dict(seed=3, config=config, model_name="scripted", guard=None, template_prompts=(), log=lambda *_: None)
+    synthesize(ScriptedLLM(), str(tmp_path / "a"), 3, **kw)
+    synthesize(ScriptedLLM(), str(tmp_path / "b"), 1, **kw)
+    synthesize(ScriptedLLM(), str(tmp_path / "b"), 3, **kw)  # resumed after shard 0
+    a, b = Manifest(str(tmp_path / "a")), Manifest(str(tmp_path / "b"))
+    assert [s["sha256"] for s in a.shards] == [s["sha256"] for s in b.shards]
+    assert len(b.data["commands"]) == 1
+    with pytest.raises(ValueError, match="config"):
+        synthesize(ScriptedLLM(), str(tmp_path / "b"), 4, **dict(kw, config=SynthConfig(conversations_per_shard=13)))
+    shard = tmp_path / "b" / b.shards[1]["file"]
+    shard.write_bytes(shard.read_bytes()[:-4])
+    with pytest.raises(ValueError, match="sha256"):
+        read_conversations(str(tmp_path / "b"))
+
+
+def test_an_answer_whose_template_does_not_round_trip_ends_the_conversation():
+    conv = _Conv("", "magpie", "hello there friend", {"temperature": 0.0}, 2)
+    assert conv.add_answer([1, 2, 3], [4, 5], "x", "stop")
+    assert not conv.add_answer([1, 2, 9, 4, 5, 6], [7], "y", "stop")  # earlier tokens re-rendered differently
+    assert conv.add_answer([1, 2, 3, 4, 5, 6], [7], "y", "stop")
+    record = conv.record()
+    assert record.assistant.tolist() == [False, False, False, True, True, False, True]
+
+
+def test_filters_count_rejections_by_reason():
+    f = Filters(guard=OverlapGuard(["one two three four five six"]))
+    assert f.accept("How do I bake sourdough bread at home?")
+    assert not f.accept("how do I bake sourdough bread at home")
+    assert not f.accept("ok")
+    assert not f.accept("Please: one two three four five six")
+    assert dict(f.rejected) == {"duplicate": 1, "too short": 1, "evaluation overlap": 1}
+
+
+def test_shipped_training_data_has_no_specbench_prompt():
+    """No user turn of the shipped self-synthesized data, and no distillation prompt, shares more than 30% of
+    its word 5-grams with any Spec-Bench prompt (brute force over the index's candidates)."""
+    refs = specbench_texts()
+    ref_grams = [word_ngrams(t, 5) for t in refs]
+    texts = [u for c in read_conversations(SHIPPED) for u in c.meta["users"]]
+    with open(os.path.join(REPO, "data", "distill", "prompts.jsonl")) as f:
+        texts += [json.loads(line)["prompt"] for line in f]
+    assert len(texts) > 2400
+    index = {}
+    for i, g in enumerate(ref_grams):
+        for x in g:
+            index.setdefault(x, set()).add(i)
+    for t in texts:
+        grams = word_ngrams(t, 5)
+        candidates = set().union(*(index.get(g, set()) for g in grams)) if grams else set()
+        worst = max((len(grams & ref_grams[i]) / len(grams) for i in candidates), default=0.0)
+        assert worst <= 0.3, (t, worst)
+
+
+def test_describe_command_reports_the_shipped_mix(capsys):
+    from specserve.cli import main
+
+    assert main(["synthesize-data", "--out", SHIPPED, "--describe"]) == 0
+    mix = json.loads(capsys.readouterr().out)
+    manifest = Manifest(SHIPPED)
+    assert mix["conversations"] == manifest.data["totals"]["conversations"] >= 256
+    assert mix["answer_tokens"] == manifest.data["totals"]["answer_tokens"]
+    assert set(mix["sources"]) == {"magpie", "template"} and mix["max_specbench_5gram_share"] <= 0.3
+    with pytest.raises(SystemExit):
+        main(["synthesize-data", "--out", SHIPPED])

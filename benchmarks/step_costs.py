@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--method", default="ngram", choices=SPEC_METHODS)
     p.add_argument("--spec-model", default=None, help="speculative_config.model (default: the method's own default)")
-    p.add_argument("--spec-quantization", default=None, choices=["int8"],
+    p.add_argument("--spec-quantization", default=None, choices=["int8", "q4"],
                    help="speculative_config.quantization (the int8 self-draft: --spec-model MODEL --spec-quantization int8)")
     p.add_argument("--gguf-dequantize", action="store_true", help="both engines on fp32 weights instead of GGUF blocks")
     p.add_argument("--adaptive", action="store_true", help="adaptive_draft_length on (default: always draft k)")

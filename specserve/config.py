@@ -131,7 +131,8 @@ class SpeculativeConfig:
     # draft_model, eagle, eagle3, medusa: the drafter's weights
     model: str | None = None
     # vLLM's name: how the drafter's linear weights are stored; None follows the target's storage, "int8"
-    # quantizes the drafter alone (a cheaper, approximate draft; verification keeps output exact).
+    # (per-channel scales) or "q4" (4-bit groups of 32, int8 activations) quantizes the drafter alone (a
+    # cheaper, approximate draft; verification keeps output exact).
     quantization: str | None = None
     # auto: the method of its model drafter (`model`); without `model`, the target's own weights in int8
     # (draft_model); "none" for suffix and ngram only.
@@ -171,8 +172,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.model is required for method {self.method!r} "
                              f"({_MODEL_METHODS[self.method]}); specserve ships a head for the default model only "
                              f"for method(s) {', '.join(BUNDLED)}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"speculative_config.quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "q4"):
+            raise ValueError(f"speculative_config.quantization must be None, 'int8' or 'q4', got {self.quantization!r}")
         if self.quantization is not None and self.method not in _MODEL_METHODS and self.method != "auto":
             raise ValueError(f"speculative_config.quantization applies to methods {', '.join(_MODEL_METHODS)} "
                              f"only, not {self.method!r}")

@@ -15,7 +15,7 @@ from specserve.heads import HEADS_DIR
     ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.model is required for method 'medusa'"),
     ({"method": "ngram", "num_speculative_token": 3}, "unknown speculative_config key"),
     ({"num_speculative_tokens": 3}, "method is required"),
-    ({"method": "draft_model", "model": "x.gguf", "quantization": "int4"}, "quantization must be None or 'int8'"),
+    ({"method": "draft_model", "model": "x.gguf", "quantization": "int4"}, "quantization must be None, 'int8' or 'q4'"),
     ({"method": "ngram", "quantization": "int8"}, "applies to methods draft_model, eagle, eagle3, medusa only"),
 ])
 def test_invalid_speculative_configs_are_refused(bad, match):

@@ -246,6 +246,15 @@ class Eagle3Head(_EagleHeadBase):
         """token_ids: [N] (x_{p+1}); hidden: [N, H] (project_aux output or a previous g); positions: [N] or
         [3, N]; writes the N tokens' K/V at meta.slot_mapping; returns g: [N, H] (pre-norm)."""
         self._check_width("hidden", hidden, self.hidden_size)
+        kernel = self.chains_kernel(kv_cache) if meta.kernel is not None and positions.dim() == 1 else None
+        if kernel is not None:  # the same kernels in one C call
+            cos, sin = self._cos_sin(positions)
+            cfg = self.config
+            return kernels.eagle3_forward(
+                kernel, hidden.contiguous(), token_ids.to(torch.int64).contiguous(), cos.reshape(len(token_ids), -1),
+                sin.reshape(len(token_ids), -1), meta.slot_mapping, meta.slot_rows, meta.kernel,
+                (self.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                 cfg.intermediate_size), kv_cache[0].shape[1], cfg.rms_norm_eps, self.layer.scale)
         normed = self._norm(hidden, self.hidden_norm)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self._norm(self.embed_tokens[token_ids], self.input_norm), normed], dim=-1)
@@ -310,22 +319,26 @@ class Eagle3Head(_EagleHeadBase):
         a step at a time. g0: [R, H] the outputs the first drafts come from; per request: its number of drafts,
         the position p and the history length n of its first draft (draft s is fed back at position p + s, its
         K/V at cache index n - 1 + s), and its block table."""
-        R, most, H = len(num_drafts), max(num_drafts), self.hidden_size
-        steps = torch.arange(most - 1)
-        index = torch.tensor(history)[:, None] - 1 + steps  # [R, most - 1] cache index of each fed-back draft
+        R, most, steps = len(num_drafts), max(num_drafts), max(num_drafts) - 1
         width = max(len(t) for t in block_tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
-        needed = torch.tensor(num_drafts)[:, None] - 1 > steps  # steps each row runs; the others read nothing
-        blocks = (index // block_size).clamp(max=width - 1)
-        slots = torch.where(needed, table.gather(1, blocks) * block_size + index % block_size, 0)
-        cos, sin = self._cos_sin((torch.tensor(positions)[:, None] + steps).reshape(-1))
+        slots, context, at = [], [], []
+        for n, p, h, table in zip(num_drafts, positions, history, block_tables):
+            for s in range(steps):  # lists: a handful of rows, cheaper than tensor arithmetic
+                i = h - 1 + s
+                slots.append(table[i // block_size] * block_size + i % block_size if s < n - 1 else 0)
+                context.append(i + 1)
+                at.append(p + s)
+        cos, sin = self._cos_sin(torch.tensor(at, dtype=torch.int64))
         cfg = self.config
-        dims = (H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
-                self.draft_vocab_size)
-        out = kernels.eagle3_chains(kernel, g0.contiguous(), torch.tensor(num_drafts, dtype=torch.int64),
-                                    cos.reshape(R, most - 1, -1).contiguous(), sin.reshape(R, most - 1, -1).contiguous(),
-                                    slots.contiguous(), (index + 1).contiguous(), table, dims, block_size,
-                                    cfg.rms_norm_eps, self.layer.scale)
+        dims = (self.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                cfg.intermediate_size, self.draft_vocab_size)
+        out = kernels.eagle3_chains(
+            kernel, g0.contiguous(), torch.tensor(num_drafts, dtype=torch.int64),
+            cos.reshape(R, steps, cfg.head_dim).contiguous(), sin.reshape(R, steps, cfg.head_dim).contiguous(),
+            torch.tensor(slots, dtype=torch.int64).reshape(R, steps),
+            torch.tensor(context, dtype=torch.int64).reshape(R, steps),
+            torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64), dims, block_size,
+            cfg.rms_norm_eps, self.layer.scale)
         return [row[:n] for row, n in zip(out.tolist(), num_drafts)]
 
     def logits_in_target_vocab(self, g: torch.Tensor) -> torch.Tensor:

@@ -295,6 +295,22 @@ def _regroup_q4(packed: torch.Tensor, to_quads: bool) -> torch.Tensor:
     return torch.from_numpy(out.reshape(-1))
 
 
+def quantize_q4(weight: torch.Tensor, group: int = 32) -> QuantizedWeight:
+    """[N, K] fp32 -> 4-bit values in groups of `group` along K, each value q * a + b with q in 0..15, a = (max -
+    min) / 15 and b = min of its group (GGUF Q4_1's rule): an approximate weight for drafters, a quarter of
+    fp32's bytes plus the scales."""
+    w = weight.detach().float().numpy()
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"quantize_q4: K = {k} is not a multiple of the group size {group}")
+    groups = w.reshape(n, k // group, group)
+    low, high = groups.min(-1), groups.max(-1)
+    a = ((high - low) / 15).astype(np.float32)
+    step = np.where(a > 0, a, 1)[..., None]
+    q = np.clip(np.rint((groups - low[..., None]) / step), 0, 15).astype(np.uint8)
+    return QuantizedWeight.pack(q.reshape(n, k), a, low.astype(np.float32), Q4, group, "Q4_1")
+
+
 def int8_activation_weights(state_dict: dict, digits: int = 2) -> dict:
     """The decoder layers' 4-bit QuantizedWeights in the int8-activation layout (for_int8_activations) for
     `digits` int8 digits per activation; embeddings and the LM head keep theirs (lookups and the exact

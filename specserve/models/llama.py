@@ -122,12 +122,21 @@ def make_linear(weight, bias: torch.Tensor | None = None, weight_dtype=None):
 
     weight: a tensor, or a QuantizedWeight (GGUF blocks, which the C GEMM reads as they are: exact).
     weight_dtype None keeps exact fp32; torch.bfloat16 or "int8" store the weight that way (oneDNN bf16,
-    int8 with per-channel scales) with fp32 activations: fewer bytes per decode step, approximate results.
+    int8 with per-channel scales) with fp32 activations, "q4" as 4-bit groups of 32 (gguf_quant.quantize_q4)
+    multiplied with int8 activations (the default path's 4-bit GEMM; "int8" where the C kernels are off):
+    fewer bytes per decode step, approximate results.
     """
     from specserve.models.linear import FastLinear
 
-    if weight.dtype != torch.float32:
+    if isinstance(weight, torch.Tensor) and weight.dtype != torch.float32:
         return TorchLinear(weight, bias)
+    if weight_dtype == "q4":
+        from specserve.models.gguf_quant import quantize_q4
+        from specserve.ops import kernels
+
+        if not (kernels.kernel_enabled() and isinstance(weight, torch.Tensor) and weight.shape[1] % 32 == 0):
+            return FastLinear(weight, bias, weight_dtype="int8")
+        return FastLinear(quantize_q4(weight).for_int8_activations(2), bias)
     return FastLinear(weight, bias, weight_dtype=weight_dtype)
 
 

@@ -142,6 +142,8 @@ def _bind(lib):
                                  i64, i64, i64, i64, f32, f32, ptr, i64, ptr], ctypes.c_int),
         "eagle3_chains_f32": ([ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
                                i64, f32, f32, ptr], ctypes.c_int),
+        "eagle3_forward_f32": ([ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64,
+                                i64, i64, i64, i64, f32, f32, ptr], ctypes.c_int),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
@@ -500,6 +502,28 @@ def eagle3_chains(head: Eagle3C, g0: torch.Tensor, num_drafts: torch.Tensor, cos
                                 float(eps), float(scale), out.data_ptr()):
         raise MemoryError("eagle3_chains: out of memory for its buffers")
     return out
+
+
+def eagle3_forward(head: Eagle3C, hidden: torch.Tensor, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   slot_mapping: torch.Tensor, slot_rows: torch.Tensor | None, batch,
+                   dims: tuple[int, int, int, int, int], block_size: int, eps: float, scale: float) -> torch.Tensor:
+    """One EAGLE-3 head forward in one C call (csrc/decoder.c's eagle3_forward_f32): hidden [N, H], ids [N] int64,
+    cos/sin [N, head_dim], the attention metadata's slot_mapping, slot_rows and KernelBatch; dims (H, heads, kv
+    heads, head_dim, intermediate). Returns g [N, H]."""
+    _check(hidden=hidden, cos=cos, sin=sin)
+    _check(torch.int64, ids=ids, slot_mapping=slot_mapping)
+    if slot_rows is not None:
+        _check(torch.int64, slot_rows=slot_rows)
+    H, num_heads, num_kv_heads, head_dim, inter = dims
+    g = torch.empty_like(hidden)
+    if hidden.shape[0] and _lib().eagle3_forward_f32(
+            ctypes.byref(head), hidden.data_ptr(), ids.data_ptr(), hidden.shape[0], cos.data_ptr(), sin.data_ptr(),
+            slot_mapping.data_ptr(), _ptr(slot_rows), len(slot_mapping), batch.block_table.data_ptr(),
+            batch.block_table.shape[1], batch.query_start.data_ptr(), batch.query_len.data_ptr(),
+            batch.context_len.data_ptr(), len(batch.query_start), H, num_heads, num_kv_heads, head_dim, inter,
+            block_size, float(eps), float(scale), g.data_ptr()):
+        raise MemoryError("eagle3_forward: out of memory for its buffers")
+    return g
 
 
 class TensorKeyed:

@@ -34,7 +34,7 @@ class DraftModelProposer:
         loaded = load_model_weights(spec_config.model, dtype=target.dtype, keep_quantized=blocks)
         if blocks and target.gguf_compute in ACTIVATION_DIGITS:
             loaded.state_dict = int8_activation_weights(loaded.state_dict, ACTIVATION_DIGITS[target.gguf_compute])
-        weight_dtype = "int8" if spec_config.quantization == "int8" else target.weight_dtype
+        weight_dtype = spec_config.quantization or target.weight_dtype
         self.model = build_model(loaded.config, loaded.state_dict, dtype=target.dtype, weight_dtype=weight_dtype)
         kv_window = getattr(target.model, "kv_window", 0)
         if kv_window:  # its KV lives in the target's block tables, whose blocks are kept only for that window

@@ -62,7 +62,7 @@ class _Rows:
 class EagleProposer:
     def __init__(self, spec_config, target: TargetInfo) -> None:
         checkpoint = load_drafter_checkpoint(spec_config.model, spec_config.method, dtype=target.dtype)
-        weight_dtype = "int8" if spec_config.quantization == "int8" else target.weight_dtype
+        weight_dtype = spec_config.quantization or target.weight_dtype
         self.head = build_drafter_head(checkpoint, target.model, weight_dtype)
         # its KV lives in the target's block tables: it sees the window the target's blocks are kept for
         self.head.layer.window = getattr(target.model, "kv_window", 0)

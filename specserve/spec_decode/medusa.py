@@ -26,7 +26,7 @@ TREE_TOP_K = 4  # candidates each head offers at its depth
 class MedusaProposer:
     def __init__(self, spec_config, target: TargetInfo) -> None:
         checkpoint = load_drafter_checkpoint(spec_config.model, "medusa", dtype=target.dtype)
-        weight_dtype = "int8" if spec_config.quantization == "int8" else target.weight_dtype
+        weight_dtype = spec_config.quantization or target.weight_dtype
         self.heads = build_drafter_head(checkpoint, target.model, weight_dtype)
         if spec_config.num_speculative_tokens > self.heads.num_heads:
             raise ValueError(f"speculative_config.num_speculative_tokens {spec_config.num_speculative_tokens} "

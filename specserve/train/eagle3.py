@@ -220,3 +220,23 @@ def build_eagle3(target: TargetParts, data: Sequence[SequenceFeatures], draft_vo
     config = Eagle3HeadConfig.from_target(target.config, draft_vocab_size, aux_layer_ids)
     torch.manual_seed(seed)
     return Eagle3Objective(Eagle3DraftModel(config, target.embed_tokens, vocab, target.lm_head), num_steps)
+
+
+def load_eagle3(folder: str, target: TargetParts) -> Eagle3DraftModel:
+    """A saved head (config.json + model.safetensors in the official layout, as save() writes) as the training
+    model, to evaluate or train further; the embedding is the target's."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, "config.json")) as f:
+        raw = json.load(f)
+    aux = raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    config = Eagle3HeadConfig.from_target(dict(target.config, **{k: raw[k] for k in (
+        "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps") if k in raw}),
+        raw["draft_vocab_size"], aux, raw["intermediate_size"])
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    model = Eagle3DraftModel(config, target.embed_tokens, build_vocab_from_d2t(tensors["d2t"], tensors["t2d"]))
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
+    return model

@@ -53,7 +53,11 @@ def add_train_parser(sub) -> None:
                         help="JSON lines of {\"prompt\": ...} or {\"messages\": [...]}, or a text file of one prompt "
                              "per line: the target answers them first")
     source.add_argument("--data", help="a `specserve synthesize-data` folder: conversations the target already wrote")
-    p.add_argument("--max-conversations", type=int, default=None, help="--data: use the first N conversations")
+    p.add_argument("--max-conversations", type=int, default=None,
+                   help="--data: train on the first N conversations that are not held back")
+    p.add_argument("--features", default=None,
+                   help="folder of the target's states (default: WORK/features); a folder made for the same "
+                        "sequences is reused, so runs on one --data folder can share it")
     p.add_argument("--out", required=True, help="output folder (the head, its README, and work/)")
     p.add_argument("--work", default=None,
                    help="folder for answers, features, checkpoints and the log (default: OUT/work)")
@@ -104,8 +108,10 @@ def train_drafter(args, command: str = "", log=print) -> str:
     os.makedirs(work, exist_ok=True)
     _check_run(work, args)
     phases = Phases()
+    train_ids = None
     if args.data:
-        seqs, held_ids, prompts = conversation_sequences(args.data, args.max_conversations, args.held_out_every)
+        seqs, held_ids, prompts, train_ids = conversation_sequences(args.data, args.max_conversations,
+                                                                    args.held_out_every)
     else:
         seqs, held_ids, prompts = distilled_sequences(args, work, log)
         phases.done("self-distillation")
@@ -114,13 +120,15 @@ def train_drafter(args, command: str = "", log=print) -> str:
     L = loaded.config["num_hidden_layers"]
     aux = default_aux_layers(L) if args.method == "eagle3" else ()
     model = feature_model(args.model, aux, args.features_from)
-    store = write_feature_store(model, [s[1] for s in seqs], [s[2] for s in seqs], os.path.join(work, "features"),
-                                "aux" if aux else "final", args.feature_dtype, [s[0] for s in seqs], log=log)
+    store = write_feature_store(model, [s[1] for s in seqs], [s[2] for s in seqs],
+                                args.features or os.path.join(work, "features"), "aux" if aux else "final",
+                                args.feature_dtype, [s[0] for s in seqs], log=log)
     del model
     phases.done("features")
 
     ids = store.sequence_ids()
-    train_set = Subset(store, [i for i, s in enumerate(ids) if s not in held_ids])
+    train_set = Subset(store, [i for i, s in enumerate(ids)
+                               if s not in held_ids and (train_ids is None or s in train_ids)])
     held_set = Subset(store, [i for i, s in enumerate(ids) if s in held_ids])
     target = TargetParts.from_state_dict(loaded.config, loaded.state_dict)
     objective = build_objective(args, target, train_set, aux)
@@ -162,23 +170,26 @@ def distilled_sequences(args, work: str, log) -> tuple[list[tuple], set, list[di
 
 
 def conversation_sequences(folder: str, limit: int | None, held_out_every: int
-                           ) -> tuple[list[tuple], set, list[dict]]:
-    """--data: ([(index, token ids, loss mask)], held-back indices, the held-back check's prompts: each
-    conversation's first user turn with its system prompt)."""
+                           ) -> tuple[list[tuple], set, list[dict], set | None]:
+    """--data: ([(index, token ids, loss mask)] of every conversation, held-back indices (every N-th of the
+    folder, whatever --max-conversations is, so runs of different sizes are measured on the same
+    conversations), the held-back check's prompts (each conversation's first user turn with its system
+    prompt), and the indices trained on (the first `limit` others; None: all others)."""
     from specserve.train.synthesize import read_conversations
 
-    convs = read_conversations(folder)[:limit]
+    convs = read_conversations(folder)
     seqs = [(i, c.token_ids.tolist(), c.loss_mask) for i, c in enumerate(convs)]
     held = {i for i in range(len(convs)) if i % held_out_every == held_out_every - 1}
+    train = None if limit is None else set([i for i in range(len(convs)) if i not in held][:limit])
     prompts = [{"id": i, "messages": ([{"role": "system", "content": c.meta["system"]}] if c.meta["system"] else [])
                 + [{"role": "user", "content": c.meta["users"][0]}]} for i, c in enumerate(convs)]
-    return seqs, held, prompts
+    return seqs, held, prompts, train
 
 
 def _check_run(work: str, args) -> None:
     """A resumed run must be the same run: same target, prompts and data settings."""
     keys = ("method", "model", "prompts", "data", "max_prompts", "max_conversations", "max_tokens", "temperature",
-            "feature_dtype", "features_from", "seed")
+            "feature_dtype", "features_from", "features", "seed")
     run = {k: getattr(args, k) for k in keys}
     path = os.path.join(work, "run.json")
     if os.path.exists(path):

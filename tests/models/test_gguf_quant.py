@@ -14,7 +14,7 @@ import torch
 from specserve.config import EngineConfig
 from specserve.models.gguf_loader import load_gguf
 from specserve.models.gguf_quant import (BLOCK_TYPES, F16, Q4_I8, Q4_Q8, QuantizedWeight, cat_rows,
-                                         int8_activation_weights)
+                                         int8_activation_weights, quantize_q4)
 from specserve.models.linear import FastLinear
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
@@ -312,3 +312,24 @@ def test_one_digit_activations_are_further_from_the_exact_model(default_gguf_pat
 def test_gguf_compute_is_validated():
     with pytest.raises(ValueError, match="gguf_compute must be one of 'int8', 'q8', 'fp32'"):
         EngineConfig(gguf_compute="int4")
+
+
+@requires_c_kernels
+def test_quantize_q4_rounds_each_value_to_its_group_grid():
+    """quantize_q4: every value within half a step of its group's 16-level grid (min to max), each group's
+    min and max exact, and the int8-activation form multiplying as the fp32 GEMM on the dequantized values
+    up to the activations' rounding."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(70, 96, generator=g) * torch.rand(70, 1, generator=g)
+    w[3, :32] = 0.5  # a constant group
+    q = quantize_q4(w)
+    back = q.dequantize()
+    groups = w.reshape(70, 3, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    assert ((back - w).abs().reshape(70, 3, 32) <= step[..., None] / 2 + 1e-6).all()
+    assert torch.equal(back.reshape(70, 3, 32).amin(-1), groups.amin(-1))
+    assert torch.equal(back[3, :32], w[3, :32])
+    x = torch.randn(5, 96, generator=g)
+    i8 = q.for_int8_activations(2)
+    y = kernels.gemm_weight(x, i8.packed, i8.weight_format, None, 70)
+    assert (y - x @ back.t()).abs().max() < 1e-3 * (x.abs() @ back.abs().t()).max()

@@ -333,3 +333,9 @@ def test_train_drafter_on_a_synthesized_data_folder(target, tmp_path):
     assert "as the engine computes them, stored as q8" in card
     with pytest.raises(SystemExit):  # one source of data
         main(argv + ["--prompts", "p.jsonl"])
+    states = out / "work" / "features" / "states.bin"
+    made = states.stat().st_mtime_ns
+    smaller = ["--out", str(tmp_path / "small"), "--max-conversations", "5", "--features", str(out / "work" / "features")]
+    assert main(argv[:7] + smaller + argv[9:]) == 0  # the same held-back conversations, fewer trained on
+    assert "5 sequences trained on, 3 held back" in (tmp_path / "small" / "README.md").read_text()
+    assert states.stat().st_mtime_ns == made  # the features were reused

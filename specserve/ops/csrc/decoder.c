@@ -174,6 +174,71 @@ typedef struct {
     int64_t window, norm_before_residual;
 } eagle3_t;
 
+/* One forward of the head's layer over n rows (Eagle3Head.forward): x = [input_norm(embed(ids)); hidden_norm(hidden)],
+ * residual hidden (or its norm), then attention (K/V of row slot_rows[w] (NULL: w) written at slot_mapping[w] first),
+ * o_proj + residual, post norm, MLP + residual -> g [n, H]. Returns 0, or 1 when out of memory. */
+static int eagle3_layer(const eagle3_t *E, const float *hidden, const int64_t *ids, int64_t n, const float *cos,
+                        const float *sin, const int64_t *slot_mapping, const int64_t *slot_rows, int64_t num_slots,
+                        const int64_t *block_table, int64_t table_width, const int64_t *query_start,
+                        const int64_t *query_len, const int64_t *context_len, int64_t num_seqs, int64_t H,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t block_size,
+                        float eps, float scale, float *g) {
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    float *buf = malloc(sizeof(float) * (n * (H + H + H + 2 * H + qkv_size + 2 * q_size + H + 3 * inter) + 1));
+    if (!buf) return 1;
+    float *normed = buf, *emb = normed + n * H, *h = emb + n * H, *x = h + n * H, *qkv = x + n * 2 * H;
+    float *q = qkv + n * qkv_size, *attn = q + n * q_size, *res = attn + n * q_size, *gate_up = res + n * H;
+    float *act = gate_up + n * 2 * inter;
+    add_rms_norm_f32(NULL, (float *)hidden, E->hidden_norm, normed, n, H, eps); /* no add: hidden is only read */
+    if (E->embed_format >= 0) {
+        weight_rows_f32(E->embed, E->embed_format, E->embed_group, H, ids, n, emb);
+    } else {
+        for (int64_t j = 0; j < n; j++) memcpy(emb + j * H, (const float *)E->embed + ids[j] * H, sizeof(float) * H);
+    }
+    add_rms_norm_f32(NULL, emb, E->input_norm, h, n, H, eps);
+    for (int64_t j = 0; j < n; j++) {
+        memcpy(x + j * 2 * H, h + j * H, sizeof(float) * H);
+        memcpy(x + j * 2 * H + H, normed + j * H, sizeof(float) * H);
+    }
+    const float *residual = E->norm_before_residual ? normed : hidden;
+    linear(&E->qkv, x, qkv, n, 2 * H, qkv_size);
+    rope_qk_f32(qkv, cos, sin, n, qkv_size, num_heads + num_kv_heads, head_dim);
+    for (int64_t j = 0; j < n; j++) memcpy(q + j * q_size, qkv + j * qkv_size, sizeof(float) * q_size);
+    for (int64_t w = 0; w < num_slots; w++) {
+        const float *row = qkv + (slot_rows ? slot_rows[w] : w) * qkv_size;
+        store_key(E->k_cache, slot_mapping[w], row + q_size, kv_size, block_size);
+        memcpy(E->v_cache + slot_mapping[w] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
+    }
+    int failed = paged_attention_f32(q, attn, E->k_cache, E->v_cache, block_table, table_width, query_start,
+                                     query_len, context_len, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                     scale, E->window);
+    if (!failed) {
+        linear(&E->o_proj, attn, res, n, q_size, H);
+        for (int64_t i = 0; i < n * H; i++) res[i] += residual[i];
+        add_rms_norm_f32(NULL, res, E->post_norm, h, n, H, eps);
+        linear(&E->gate_up, h, gate_up, n, H, 2 * inter);
+        silu_mul_f32(gate_up, act, n, inter);
+        linear(&E->down, act, g, n, inter, H);
+        for (int64_t i = 0; i < n * H; i++) g[i] += res[i];
+    }
+    free(buf);
+    return failed;
+}
+
+/* Eagle3Head.forward in one call: hidden [N, H], ids [N], cos/sin [N, head_dim], the attention metadata's writes
+ * (slot_mapping with slot_rows, as decoder_forward_f32) and kernel batch -> g [N, H]. */
+int eagle3_forward_f32(const eagle3_t *E, const float *hidden, const int64_t *ids, int64_t N, const float *cos,
+                       const float *sin, const int64_t *slot_mapping, const int64_t *slot_rows, int64_t num_slots,
+                       const int64_t *block_table, int64_t table_width, const int64_t *query_start,
+                       const int64_t *query_len, const int64_t *context_len, int64_t num_seqs, int64_t H,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t block_size,
+                       float eps, float scale, float *g) {
+    return eagle3_layer(E, hidden, ids, N, cos, sin, slot_mapping, slot_rows, num_slots, block_table, table_width,
+                        query_start, query_len, context_len, num_seqs, H, num_heads, num_kv_heads, head_dim, inter,
+                        block_size, eps, scale, g);
+}
+
 static int eagle3_draw(const eagle3_t *E, const float *g, float *h, float *logits, int64_t n, int64_t H, int64_t Vd,
                        float eps, int64_t *ids) {
     add_rms_norm_f32(NULL, (float *)g, E->norm, h, n, H, eps); /* g is only read: no add */
@@ -200,24 +265,19 @@ int eagle3_chains_f32(const eagle3_t *E, const float *g0, int64_t R, const int64
                       const int64_t *block_table, int64_t table_width, int64_t H, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t Vd, int64_t block_size, float eps,
                       float scale, int64_t *out) {
-    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    const int64_t qkv_size = q_size + 2 * kv_size, steps = max_drafts - 1;
-    const int64_t floats = R * (H + H + H + 2 * H + qkv_size + q_size + q_size + H + 2 * inter + inter + H + H + Vd +
-                                2 * head_dim);
-    const int64_t ints = R * (5 + table_width);
-    float *buf = malloc(sizeof(float) * floats + sizeof(int64_t) * ints);
+    const int64_t steps = max_drafts - 1;
+    float *buf = malloc(sizeof(float) * R * (3 * H + Vd + 2 * head_dim) + sizeof(int64_t) * R * (6 + table_width));
     if (!buf) return 1;
-    float *g = buf, *h = g + R * H, *normed = h + R * H, *x = normed + R * H, *qkv = x + R * 2 * H;
-    float *q = qkv + R * qkv_size, *attn = q + R * q_size, *res = attn + R * q_size, *gate_up = res + R * H;
-    float *act = gate_up + R * 2 * inter, *mlp = act + R * inter, *emb = mlp + R * H, *logits = emb + R * H;
-    float *cs = logits + R * Vd, *sn = cs + R * head_dim;
+    float *g = buf, *next = g + R * H, *h = next + R * H, *logits = h + R * H, *cs = logits + R * Vd;
+    float *sn = cs + R * head_dim;
     int64_t *live = (int64_t *)(sn + R * head_dim), *ids = live + R, *query_start = ids + R, *ctx = query_start + R;
-    int64_t *qlen = ctx + R, *table = qlen + R;
+    int64_t *qlen = ctx + R, *slot = qlen + R, *table = slot + R;
     for (int64_t i = 0; i < R * max_drafts; i++) out[i] = -1;
     memcpy(g, g0, sizeof(float) * R * H);
-    int64_t n = R, failed = 0;
+    int64_t n = R;
+    int failed = 0;
     for (int64_t r = 0; r < R; r++) live[r] = r;
-    for (int64_t s = 0; s < max_drafts && n && !failed; s++) {
+    for (int64_t s = 0; s < max_drafts && n; s++) {
         /* g holds the live rows' outputs, in the order of live */
         if ((failed = eagle3_draw(E, g, h, logits, n, H, Vd, eps, ids))) break;
         int64_t m = 0;
@@ -233,20 +293,6 @@ int eagle3_chains_f32(const eagle3_t *E, const float *g0, int64_t R, const int64
         }
         n = m;
         if (!n) break;
-        /* forward: x = [input_norm(embed(draft)); hidden_norm(g)], residual g (or its norm) */
-        add_rms_norm_f32(NULL, g, E->hidden_norm, normed, n, H, eps);
-        if (E->embed_format >= 0) {
-            weight_rows_f32(E->embed, E->embed_format, E->embed_group, H, ids, n, emb);
-        } else {
-            for (int64_t j = 0; j < n; j++) memcpy(emb + j * H, (const float *)E->embed + ids[j] * H, sizeof(float) * H);
-        }
-        add_rms_norm_f32(NULL, emb, E->input_norm, h, n, H, eps);
-        for (int64_t j = 0; j < n; j++) {
-            memcpy(x + j * 2 * H, h + j * H, sizeof(float) * H);
-            memcpy(x + j * 2 * H + H, normed + j * H, sizeof(float) * H);
-        }
-        const float *residual = E->norm_before_residual ? normed : g;
-        linear(&E->qkv, x, qkv, n, 2 * H, qkv_size);
         for (int64_t j = 0; j < n; j++) {
             const int64_t at = live[j] * steps + s;
             memcpy(cs + j * head_dim, cos + at * head_dim, sizeof(float) * head_dim);
@@ -254,27 +300,14 @@ int eagle3_chains_f32(const eagle3_t *E, const float *g0, int64_t R, const int64
             query_start[j] = j;
             qlen[j] = 1;
             ctx[j] = context_len[at];
+            slot[j] = slots[at];
             memcpy(table + j * table_width, block_table + live[j] * table_width, sizeof(int64_t) * table_width);
         }
-        rope_qk_f32(qkv, cs, sn, n, qkv_size, num_heads + num_kv_heads, head_dim);
-        for (int64_t j = 0; j < n; j++) {
-            const float *row = qkv + j * qkv_size;
-            const int64_t slot = slots[live[j] * steps + s];
-            memcpy(q + j * q_size, row, sizeof(float) * q_size);
-            store_key(E->k_cache, slot, row + q_size, kv_size, block_size);
-            memcpy(E->v_cache + slot * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
-        }
-        if ((failed = paged_attention_f32(q, attn, E->k_cache, E->v_cache, table, table_width, query_start, qlen, ctx,
-                                          n, num_heads, num_kv_heads, head_dim, block_size, scale, E->window)))
+        if ((failed = eagle3_layer(E, g, ids, n, cs, sn, slot, NULL, n, table, table_width, query_start, qlen, ctx, n,
+                                   H, num_heads, num_kv_heads, head_dim, inter, block_size, eps, scale, next)))
             break;
-        linear(&E->o_proj, attn, res, n, q_size, H);
-        for (int64_t i = 0; i < n * H; i++) res[i] += residual[i];
-        add_rms_norm_f32(NULL, res, E->post_norm, h, n, H, eps);
-        linear(&E->gate_up, h, gate_up, n, H, 2 * inter);
-        silu_mul_f32(gate_up, act, n, inter);
-        linear(&E->down, act, mlp, n, inter, H);
-        for (int64_t i = 0; i < n * H; i++) g[i] = mlp[i] + res[i];
+        memcpy(g, next, sizeof(float) * n * H);
     }
     free(buf);
-    return (int)failed;
+    return failed;
 }

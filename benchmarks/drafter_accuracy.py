@@ -1,0 +1,75 @@
+"""An EAGLE-3 head's teacher-forced accuracy by draft step on prompts it was not trained on: Spec-Bench's
+first turns answered by the target (greedy), per category and overall.
+
+At draft step k the head predicts the target's choice k + 1 tokens ahead from its own k previous outputs
+(training-time test), so step-k accuracy bounds how often the k-th draft of a chain survives. The answers and
+the target's states are made once per --work folder (the engine's default 4-bit path, as the runner hands
+them to the head) and reused for every head evaluated there.
+
+    .venv/bin/python benchmarks/drafter_accuracy.py --head specserve/heads/smollm2-135m-instruct-eagle3 \\
+        --work runs/specbench-accuracy --prompts-per-category 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from specserve.bench.common import DEFAULT_DATASET, read_specbench
+from specserve.bench.latency import select_per_category
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--head", action="append", required=True, help="an EAGLE-3 head folder (repeat to compare)")
+    p.add_argument("--work", required=True, help="folder for the answers and features (reused)")
+    p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dataset", default=DEFAULT_DATASET)
+    p.add_argument("--prompts-per-category", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--steps", type=int, default=4)
+    args = p.parse_args()
+
+    from specserve.llm import LLM
+    from specserve.models.loader import load_model_weights
+    from specserve.sampling_params import SamplingParams
+    from specserve.train.distill import distill
+    from specserve.train.eagle3 import Eagle3Objective, load_eagle3
+    from specserve.train.features import (Subset, TargetParts, default_aux_layers, feature_model,
+                                          write_feature_store)
+    from specserve.train.loop import evaluate
+
+    rows = select_per_category(read_specbench(args.dataset), None, args.prompts_per_category)
+    prompts = [{"id": i, "messages": [{"role": "user", "content": r["turns"][0]}]} for i, r in enumerate(rows)]
+    os.makedirs(args.work, exist_ok=True)
+    answers = os.path.join(args.work, "answers.jsonl")
+    llm = LLM(model=args.model, max_num_seqs=64, max_num_batched_tokens=2048)
+    seqs = distill(llm, prompts, answers, SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
+                   log=lambda *_: None)
+    del llm
+    loaded = load_model_weights(args.model)
+    aux = default_aux_layers(loaded.config["num_hidden_layers"])
+    store = write_feature_store(feature_model(args.model, aux), [s.token_ids for s in seqs],
+                                [len(s.prompt_token_ids) for s in seqs], os.path.join(args.work, "features"), "aux",
+                                sequence_ids=[s.id for s in seqs])
+    target = TargetParts.from_state_dict(loaded.config, loaded.state_dict)
+    category = {i: r["category"] for i, r in enumerate(rows)}
+    ids = store.sequence_ids()
+    groups = {"all": list(range(len(store)))}
+    for j, sid in enumerate(ids):
+        groups.setdefault(category[sid], []).append(j)
+    results = {}
+    for head in args.head:
+        objective = Eagle3Objective(load_eagle3(head, target), args.steps)
+        results[head] = {name: evaluate(objective, Subset(store, idx)) for name, idx in groups.items()}
+        print(f"{head}: teacher-forced accuracy by draft step on {len(store)} Spec-Bench answers "
+              f"({store.meta['num_loss_tokens']} positions)")
+        for name, acc in results[head].items():
+            print(f"  {name:>22}: " + "  ".join(f"{a:.3f}" for a in acc))
+    with open(os.path.join(args.work, "accuracy.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -189,12 +189,35 @@ class FeatureStore:
         return list(self.meta.get("sequence_ids", range(len(self))))
 
 
+def _progress(folder: str) -> tuple[dict | None, int]:
+    """(meta.json of the store in folder or None, how many of its sequences are written)."""
+    path = os.path.join(folder, "meta.json")
+    if not os.path.exists(path):
+        return None, 0
+    with open(path) as f:
+        meta = json.load(f)
+    return meta, int(meta.get("num_done", meta["num_sequences"] if meta.get("complete") else 0))
+
+
+def _open_rows(path: str, dtype, rows: int, width: int) -> np.memmap:
+    """[rows, width] of dtype memory-mapped from path, the file grown (or created) to that size, rows already
+    there kept."""
+    size = rows * width * np.dtype(dtype).itemsize
+    with open(path, "ab") as f:
+        if f.tell() != size:
+            f.truncate(size)
+    return np.memmap(path, dtype=dtype, mode="r+", shape=(rows, width))
+
+
 def write_feature_store(model, sequences: Sequence[Sequence[int]], masks: Sequence, folder: str,
                         kind: str, dtype: str = "float16", sequence_ids: Sequence[int] | None = None,
-                        log=None) -> FeatureStore:
-    """Runs target_states over every sequence and writes the store (a folder that already holds a complete
-    store for the same sequences is reused). masks: per sequence, its prompt length (the answer counts from
-    the prompt's last token: answer_mask) or a bool array of the positions that count."""
+                        log=None, checkpoint_every_s: float = 120.0) -> FeatureStore:
+    """Runs target_states over every sequence and writes the store. masks: per sequence, its prompt length
+    (the answer counts from the prompt's last token: answer_mask) or a bool array of the positions that count.
+
+    Resumable: progress is saved every checkpoint_every_s seconds, and a folder whose written sequences are
+    the first ones asked for (same ids, lengths, kind and dtype) goes on from there, so an interrupted run
+    and a data folder that has grown since (new shards) compute only what is missing."""
     if dtype not in STATE_DTYPES:
         raise ValueError(f"feature dtype {dtype!r}: expected one of {', '.join(STATE_DTYPES)}")
     if len(sequences) != len(masks) or not sequences:
@@ -202,47 +225,63 @@ def write_feature_store(model, sequences: Sequence[Sequence[int]], masks: Sequen
     lengths = [len(s) for s in sequences]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     ids = list(sequence_ids) if sequence_ids is not None else list(range(len(sequences)))
-    try:
-        store = FeatureStore(folder)
-        if store.meta.get("complete") and store.kind == kind and store.offsets.tolist() == offsets.tolist() \
-                and store.sequence_ids() == ids:
-            return store
-    except FileNotFoundError:
-        pass
-    os.makedirs(folder, exist_ok=True)
     width = (len(model.aux_hidden_layers) if kind == "aux" else 1) * model.config.hidden_size
+    n = int(offsets[-1])
+    old, done = _progress(folder)
+    if old is not None:
+        old_offsets = np.load(os.path.join(folder, "offsets.npy")) if done else offsets[:1]
+        same = (old["kind"], old["dtype"], old["width"]) == (kind, dtype, width) and done <= len(ids) \
+            and old["sequence_ids"][:done] == ids[:done] and old_offsets[:done + 1].tolist() == offsets[:done + 1].tolist()
+        if same and done == len(ids) and old.get("complete"):
+            return FeatureStore(folder)
+        done = done if same else 0
+    os.makedirs(folder, exist_ok=True)
     np_dtype, _ = _storage(dtype, width)
-    states = np.memmap(os.path.join(folder, "states.bin"), dtype=np_dtype, mode="w+", shape=(int(offsets[-1]), width))
-    scales = np.memmap(os.path.join(folder, "scales.bin"), dtype=np.float16, mode="w+",
-                       shape=(int(offsets[-1]), width // Q8_BLOCK)) if dtype == "q8" else None
-    tokens = np.zeros(int(offsets[-1]), np.int32)
-    targets = np.zeros_like(tokens)
-    mask = np.zeros(int(offsets[-1]), bool)
-    start = time.perf_counter()
-    for i, (seq, m) in enumerate(zip(sequences, masks)):
-        a, b = int(offsets[i]), int(offsets[i + 1])
-        h, t = target_states(model, seq, kind)
+    arrays = {}
+    for name, array_dtype in (("tokens", np.int32), ("targets", np.int32), ("mask", bool)):
+        array = np.zeros(n, array_dtype)
+        if done:
+            array[:offsets[done]] = np.load(os.path.join(folder, f"{name}.npy"))[:offsets[done]]
+        arrays[name] = array
+    states = _open_rows(os.path.join(folder, "states.bin"), np_dtype, n, width)
+    scales = _open_rows(os.path.join(folder, "scales.bin"), np.float16, n, width // Q8_BLOCK) if dtype == "q8" else None
+    base = dict(kind=kind, dtype=dtype, width=width, hidden_size=model.config.hidden_size,
+                aux_layers=list(model.aux_hidden_layers) if kind == "aux" else [], num_sequences=len(sequences),
+                num_tokens=n, sequence_ids=ids)
+    seconds = old.get("seconds", 0.0) if done and old else 0.0
+
+    def save(num_done: int, elapsed: float) -> None:
+        for array in (states, scales):
+            if array is not None:
+                array.flush()
+        for name, array in (("offsets", offsets), *arrays.items()):
+            np.save(os.path.join(folder, f"{name}.tmp.npy"), array)
+            os.replace(os.path.join(folder, f"{name}.tmp.npy"), os.path.join(folder, f"{name}.npy"))
+        meta = dict(base, num_done=num_done, complete=num_done == len(sequences),
+                    num_loss_tokens=int(arrays["mask"].sum()), seconds=round(seconds + elapsed, 1))
+        with open(os.path.join(folder, "meta.tmp.json"), "w") as f:
+            json.dump(meta, f)
+        os.replace(os.path.join(folder, "meta.tmp.json"), os.path.join(folder, "meta.json"))
+
+    if log and done:
+        log(f"features: resuming after {done}/{len(sequences)} sequences")
+    start = last = time.perf_counter()
+    for i in range(done, len(sequences)):
+        a, b, m = int(offsets[i]), int(offsets[i + 1]), masks[i]
+        h, t = target_states(model, sequences[i], kind)
         states[a:b], q8_scales = encode_states(h, dtype)
         if scales is not None:
             scales[a:b] = q8_scales
-        tokens[a:b], targets[a:b] = np.asarray(seq, np.int32), t.numpy().astype(np.int32)
-        mask[a:b] = answer_mask(b - a, int(m)).numpy() if np.ndim(m) == 0 else np.asarray(m, bool)
+        arrays["tokens"][a:b], arrays["targets"][a:b] = np.asarray(sequences[i], np.int32), t.numpy().astype(np.int32)
+        arrays["mask"][a:b] = answer_mask(b - a, int(m)).numpy() if np.ndim(m) == 0 else np.asarray(m, bool)
+        if time.perf_counter() - last > checkpoint_every_s:
+            save(i + 1, time.perf_counter() - start)
+            last = time.perf_counter()
         if log and (i + 1) % 100 == 0:
-            rate = b / (time.perf_counter() - start)
-            log(f"features: {i + 1}/{len(sequences)} sequences, {rate:.0f} tok/s, "
-                f"ETA {(offsets[-1] - b) / rate / 60:.1f} min")
-    for array in (states, scales):
-        if array is not None:
-            array.flush()
+            rate = (b - offsets[done]) / (time.perf_counter() - start)
+            log(f"features: {i + 1}/{len(sequences)} sequences, {rate:.0f} tok/s, ETA {(n - b) / rate / 60:.1f} min")
+    save(len(sequences), time.perf_counter() - start)
     del states, scales
-    for name, array in (("offsets", offsets), ("tokens", tokens), ("targets", targets), ("mask", mask)):
-        np.save(os.path.join(folder, f"{name}.npy"), array)
-    meta = dict(kind=kind, dtype=dtype, width=width, hidden_size=model.config.hidden_size,
-                aux_layers=list(model.aux_hidden_layers) if kind == "aux" else [], num_sequences=len(sequences),
-                num_tokens=int(offsets[-1]), num_loss_tokens=int(mask.sum()), sequence_ids=ids, complete=True,
-                seconds=round(time.perf_counter() - start, 1))
-    with open(os.path.join(folder, "meta.json"), "w") as f:
-        json.dump(meta, f)
     return FeatureStore(folder)
 
 

@@ -111,6 +111,38 @@ def test_q8_features_keep_each_block_to_its_own_scale(spec_target, sequences, da
     assert err.max() < 0.02 and torch.equal(f.target_ids, data[0][1].target_ids)
 
 
+def test_feature_store_resumes_and_extends_without_recomputing(spec_target, sequences, tmp_path, monkeypatch):
+    """An interrupted store goes on from its last checkpoint, and a store asked for more sequences (a data
+    folder that grew) computes only the new ones: either way the same files as one uninterrupted run."""
+    from specserve.train import features
+
+    fresh = write_feature_store(spec_target, sequences[:6], [PROMPT_LEN] * 6, str(tmp_path / "fresh"), "aux", "q8")
+    calls, real = [], features.target_states
+
+    def counted(model, seq, kind):
+        calls.append(len(seq))
+        if len(calls) == 5 and crash:
+            raise KeyboardInterrupt
+        return real(model, seq, kind)
+
+    monkeypatch.setattr(features, "target_states", counted)
+    folder = str(tmp_path / "grown")
+    crash = False
+    write_feature_store(spec_target, sequences[:2], [PROMPT_LEN] * 2, folder, "aux", "q8")
+    crash = True
+    with pytest.raises(KeyboardInterrupt):  # two new sequences written, the fifth fails
+        write_feature_store(spec_target, sequences[:6], [PROMPT_LEN] * 6, folder, "aux", "q8", checkpoint_every_s=0)
+    crash, calls[:] = False, []
+    store = write_feature_store(spec_target, sequences[:6], [PROMPT_LEN] * 6, folder, "aux", "q8")
+    assert len(calls) == 2 and store.meta["complete"] and store.meta["num_done"] == 6
+    for name in ("states.bin", "scales.bin", "tokens.npy", "targets.npy", "mask.npy", "offsets.npy"):
+        assert (tmp_path / "fresh" / name).read_bytes() == (tmp_path / "grown" / name).read_bytes(), name
+    assert write_feature_store(spec_target, sequences[:6], [PROMPT_LEN] * 6, folder, "aux", "q8") and len(calls) == 2
+    other = write_feature_store(spec_target, sequences[1:4], [PROMPT_LEN] * 3, folder, "aux", "q8")
+    assert len(calls) == 5 and len(other) == 3  # not a prefix: recomputed
+    assert fresh.meta["num_loss_tokens"] == store.meta["num_loss_tokens"]
+
+
 def test_draft_vocab_is_the_most_frequent_targets_ascending(data):
     train, _ = data
     vocab = build_draft_vocab(masked_targets(train), VOCAB, DRAFT_VOCAB)

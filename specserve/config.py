@@ -259,10 +259,11 @@ class SpeculativeConfig:
                              f"(allowed: {', '.join(sorted(known))})")
         if "method" not in d:
             raise ValueError("speculative_config.method is required (one of " + ", ".join(SPEC_METHODS) + ")")
-        if d["method"] in _MODEL_METHODS and not d.get("model"):
+        if not d.get("model") and (d["method"] in _MODEL_METHODS or (
+                d["method"] == "auto" and d.get("drafter") in _MODEL_METHODS and d["drafter"] != "draft_model")):
             from specserve.heads import bundled_head
 
-            d = {**d, "model": bundled_head(d["method"], target_model)}
+            d = {**d, "model": bundled_head(d["drafter"] if d["method"] == "auto" else d["method"], target_model)}
         if (d["method"] == "auto" and not d.get("model") and d.get("drafter") is None
                 and target_bytes_per_weight is not None and target_bytes_per_weight <= SELF_DRAFT_MIN_TARGET_BYTES):
             logger.info("speculative_config: auto without a model drafter (suffix and ngram): the target reads "

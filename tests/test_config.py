@@ -59,6 +59,15 @@ def test_auto_keeps_the_int8_self_draft_only_where_it_reads_fewer_bytes(bytes_pe
         assert spec.quantization == "int8"
 
 
+def test_auto_with_a_head_drafter_uses_the_shipped_head_on_the_default_model():
+    from specserve.heads import bundled_head
+
+    spec = SpeculativeConfig.from_dict({"method": "auto", "drafter": "eagle3"}, None, 0.6)
+    assert (spec.drafter, spec.model) == ("eagle3", bundled_head("eagle3", None)) and spec.model
+    spec = SpeculativeConfig.from_dict({"method": "auto", "drafter": "eagle3", "model": "my/head"}, None, 0.6)
+    assert spec.model == "my/head"
+
+
 def test_an_explicit_auto_drafter_is_kept_on_a_quantized_target():
     spec = SpeculativeConfig.from_dict({"method": "auto", "drafter": "draft_model"}, "some/model.gguf", 0.6)
     assert (spec.drafter, spec.model, spec.quantization) == ("draft_model", "some/model.gguf", "int8")

@@ -74,6 +74,8 @@ def add_train_parser(sub) -> None:
                    help="engine: the target as the engine runs it (a GGUF file's 4-bit blocks), what the drafter reads "
                         "at inference; fp32: weights dequantized to float32")
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="eagle3: draft vocabulary size")
+    p.add_argument("--init", default=None,
+                   help="eagle3: start from this saved head (its weights and draft vocabulary) instead of a fresh one")
     p.add_argument("--ttt-steps", type=int, default=4, help="eagle3: training-time test steps")
     p.add_argument("--num-heads", type=int, default=4, help="medusa: number of heads")
     p.add_argument("--epochs", type=int, default=2)
@@ -189,7 +191,7 @@ def conversation_sequences(folder: str, limit: int | None, held_out_every: int
 def _check_run(work: str, args) -> None:
     """A resumed run must be the same run: same target, prompts and data settings."""
     keys = ("method", "model", "prompts", "data", "max_prompts", "max_conversations", "max_tokens", "temperature",
-            "feature_dtype", "features_from", "features", "seed")
+            "feature_dtype", "features_from", "features", "init", "seed")
     run = {k: getattr(args, k) for k in keys}
     path = os.path.join(work, "run.json")
     if os.path.exists(path):
@@ -205,8 +207,17 @@ def _check_run(work: str, args) -> None:
 
 def build_objective(args, target, data, aux_layers):
     if args.method == "eagle3":
-        from specserve.train.eagle3 import build_eagle3
+        from specserve.train.eagle3 import Eagle3Objective, build_eagle3, load_eagle3
+        from specserve.train.features import masked_targets
 
+        if args.init:
+            model = load_eagle3(args.init, target)
+            if tuple(model.config.aux_layer_ids) != tuple(aux_layers):
+                raise ValueError(f"--init {args.init}: its aux layers {list(model.config.aux_layer_ids)} are not the "
+                                 f"target's {list(aux_layers)}")
+            targets = masked_targets(data)
+            model.vocab.coverage = float(model.vocab.t2d[targets].float().mean()) if len(targets) else 0.0
+            return Eagle3Objective(model, args.ttt_steps)
         return build_eagle3(target, data, args.draft_vocab_size, aux_layers, args.ttt_steps, args.seed)
     if args.method == "eagle":
         from specserve.train.eagle import build_eagle

@@ -371,3 +371,10 @@ def test_train_drafter_on_a_synthesized_data_folder(target, tmp_path):
     assert main(argv[:7] + smaller + argv[9:]) == 0  # the same held-back conversations, fewer trained on
     assert "5 sequences trained on, 3 held back" in (tmp_path / "small" / "README.md").read_text()
     assert states.stat().st_mtime_ns == made  # the features were reused
+    before = load_drafter_checkpoint(str(out), "eagle3").state_dict
+    tuned = tmp_path / "tuned"
+    assert main(argv[:7] + ["--out", str(tuned), "--init", str(out), "--features", str(out / "work" / "features"),
+                            "--lr", "1e-4"] + argv[9:]) == 0  # from the saved head, its vocabulary kept
+    after = load_drafter_checkpoint(str(tuned), "eagle3").state_dict
+    assert torch.equal(after["d2t"], before["d2t"]) and not torch.equal(after["fc.weight"], before["fc.weight"])
+    assert (after["fc.weight"].float() - before["fc.weight"].float()).abs().max() < 0.05

@@ -64,6 +64,17 @@ static void linear(const linear_t *l, const float *x, float *y, int64_t rows, in
     }
 }
 
+/* Each write w stores fused qkv row slot_rows[w] (NULL: row w)'s key and value at cache slot slot_mapping[w]. */
+static void store_kv(float *k_cache, float *v_cache, const float *qkv, int64_t qkv_size, int64_t q_size,
+                     int64_t kv_size, const int64_t *slot_mapping, const int64_t *slot_rows, int64_t num_slots,
+                     int64_t block_size) {
+    for (int64_t w = 0; w < num_slots; w++) {
+        const float *row = qkv + (slot_rows ? slot_rows[w] : w) * qkv_size;
+        store_key(k_cache, slot_mapping[w], row + q_size, kv_size, block_size);
+        memcpy(v_cache + slot_mapping[w] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
+    }
+}
+
 /* Returns 0 on success, 1 when a buffer could not be allocated. */
 int decoder_forward_f32(const layer_t *layers, int64_t num_layers, float *x, float *out, const float *final_norm,
                         const float *cos, const float *sin, const int64_t *slot_mapping,
@@ -94,11 +105,8 @@ int decoder_forward_f32(const layer_t *layers, int64_t num_layers, float *x, flo
         t = profile_mark(PROFILE_PROJECTIONS, t);
         rope_qk_f32(qkv, cos, sin, N, qkv_size, num_heads + num_kv_heads, head_dim);
         for (int64_t r = 0; r < N; r++) memcpy(q + r * q_size, qkv + r * qkv_size, sizeof(float) * q_size);
-        for (int64_t w = 0; w < num_slots; w++) {
-            const float *row = qkv + (slot_rows ? slot_rows[w] : w) * qkv_size;
-            store_key(L->k_cache, slot_mapping[w], row + q_size, kv_size, block_size);
-            memcpy(L->v_cache + slot_mapping[w] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
-        }
+        store_kv(L->k_cache, L->v_cache, qkv, qkv_size, q_size, kv_size, slot_mapping, slot_rows, num_slots,
+                 block_size);
         t = profile_mark(PROFILE_OTHER, t);
         failed = paged_attention_f32(q, attn, L->k_cache, L->v_cache, block_table, table_width, query_start,
                                      query_len, context_len, num_seqs, num_heads, num_kv_heads, head_dim,
@@ -205,11 +213,7 @@ static int eagle3_layer(const eagle3_t *E, const float *hidden, const int64_t *i
     linear(&E->qkv, x, qkv, n, 2 * H, qkv_size);
     rope_qk_f32(qkv, cos, sin, n, qkv_size, num_heads + num_kv_heads, head_dim);
     for (int64_t j = 0; j < n; j++) memcpy(q + j * q_size, qkv + j * qkv_size, sizeof(float) * q_size);
-    for (int64_t w = 0; w < num_slots; w++) {
-        const float *row = qkv + (slot_rows ? slot_rows[w] : w) * qkv_size;
-        store_key(E->k_cache, slot_mapping[w], row + q_size, kv_size, block_size);
-        memcpy(E->v_cache + slot_mapping[w] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
-    }
+    store_kv(E->k_cache, E->v_cache, qkv, qkv_size, q_size, kv_size, slot_mapping, slot_rows, num_slots, block_size);
     int failed = paged_attention_f32(q, attn, E->k_cache, E->v_cache, block_table, table_width, query_start,
                                      query_len, context_len, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
                                      scale, E->window);

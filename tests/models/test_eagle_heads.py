@@ -426,6 +426,20 @@ def test_quantized_draft_weights_stay_close(tmp_path, family, weight_dtype):
     assert (outs[0] - outs[1]).abs().max().item() < bound * outs[0].abs().max().item()
 
 
+def c_head_on_blocks(tmp_path, layout: str, weight_dtype, seed: int):
+    """A random EAGLE-3 head on a tiny target, three requests' scattered blocks and prompts of 5, 9 and 14
+    tokens: (target, head, tables, DraftKV, prompts); skips where the C kernels are off."""
+    hf, target = llama_target(num_layers=8, aux=(2, 4, 5))
+    ckpt = load_drafter_checkpoint(write_eagle3(str(tmp_path), hf.config, layout=layout, draft_vocab_size=48).folder)
+    head = Eagle3Head(ckpt, target, weight_dtype=weight_dtype)
+    tables = [[3, 11, 6, 0], [9, 2, 14, 5, 1], [7, 12, 4, 13, 8, 10]]
+    kv = DraftKV(head, tables)
+    if head.chains_kernel(kv.cache) is None:
+        pytest.skip("the C kernels are off")
+    g_ = torch.Generator().manual_seed(seed)
+    return target, head, tables, kv, [torch.randint(0, 160, (n,), generator=g_).tolist() for n in (5, 9, 14)]
+
+
 @pytest.mark.parametrize("layout, weight_dtype, num_drafts", [("official", None, [1, 3, 5]),
                                                               ("speculators", None, [4, 2, 3]),
                                                               ("official", "int8", [1, 3, 5]),
@@ -434,15 +448,7 @@ def test_eagle3_c_chains_equal_the_step_by_step_drafts(tmp_path, layout, weight_
     """draft_chains (one C call) against greedy_tokens + forward a step at a time from Python, three requests
     drafting different numbers of tokens on scattered blocks: the same drafts, and bitwise the same K/V in every
     slot."""
-    hf, target = llama_target(num_layers=8, aux=(2, 4, 5))
-    ckpt = load_drafter_checkpoint(write_eagle3(str(tmp_path), hf.config, layout=layout, draft_vocab_size=48).folder)
-    head = Eagle3Head(ckpt, target, weight_dtype=weight_dtype)
-    tables = [[3, 11, 6, 0], [9, 2, 14, 5, 1], [7, 12, 4, 13, 8, 10]]
-    kv = DraftKV(head, tables)
-    if head.chains_kernel(kv.cache) is None:
-        pytest.skip("the C kernels are off")
-    g_ = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(0, 160, (n,), generator=g_).tolist() for n in (5, 9, 14)]
+    target, head, tables, kv, prompts = c_head_on_blocks(tmp_path, layout, weight_dtype, seed=11)
     with torch.inference_mode():
         aux = [target_pass(target, p)[1] for p in prompts]
         feats = torch.cat([head.project_aux(a) for a in aux])
@@ -480,15 +486,8 @@ def test_eagle3_c_chains_equal_the_step_by_step_drafts(tmp_path, layout, weight_
 def test_eagle3_c_forward_is_bitwise_the_python_forward(tmp_path, layout):
     """Eagle3Head.forward in one C call against the same forward op by op from Python: prompts of three requests
     in one batch (multi-row queries), then one row each, g and the K/V written bitwise equal."""
-    hf, target = llama_target(num_layers=8, aux=(2, 4, 5))
-    ckpt = load_drafter_checkpoint(write_eagle3(str(tmp_path), hf.config, layout=layout, draft_vocab_size=48).folder)
-    head = Eagle3Head(ckpt, target)
-    tables = [[3, 11, 6, 0], [9, 2, 14, 5, 1], [7, 12, 4, 13, 8, 10]]
-    kv = DraftKV(head, tables)
-    if head.chains_kernel(kv.cache) is None:
-        pytest.skip("the C kernels are off")
-    g_ = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(0, 160, (n,), generator=g_).tolist() for n in (5, 9, 14)]
+    target, head, tables, kv, prompts = c_head_on_blocks(tmp_path, layout, None, seed=12)
+    g_ = torch.Generator().manual_seed(13)
     hidden = torch.randn(sum(map(len, prompts)), head.hidden_size, generator=g_)
     tokens = torch.tensor([t for p in prompts for t in p])
     positions = torch.cat([torch.arange(len(p)) for p in prompts])

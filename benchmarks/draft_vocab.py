@@ -40,7 +40,7 @@ def main() -> int:
     from specserve.models.gguf_quant import quantize_q4
     from specserve.ops import kernels
     from specserve.sampling_params import SamplingParams
-    from specserve.train.synthesize import read_conversations
+    from specserve.train.shards import read_conversations
 
     convs = read_conversations(args.data)
     tokens = np.concatenate([c.token_ids[c.assistant] for c in convs])

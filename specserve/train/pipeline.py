@@ -55,6 +55,10 @@ def add_train_parser(sub) -> None:
     source.add_argument("--data", help="a `specserve synthesize-data` folder: conversations the target already wrote")
     p.add_argument("--max-conversations", type=int, default=None,
                    help="--data: train on the first N conversations that are not held back")
+    p.add_argument("--loop-tails", choices=("keep", "cut"), default="keep",
+                   help="--data: an answer that ends in a repetition loop (the target's own, up to the token limit) "
+                        "is trained on whole (keep) or up to two periods of its loop (cut); held-back conversations "
+                        "stay whole either way")
     p.add_argument("--features", default=None,
                    help="folder of the target's states (default: WORK/features); a folder made for the same "
                         "sequences is reused, so runs on one --data folder can share it")
@@ -113,7 +117,7 @@ def train_drafter(args, command: str = "", log=print) -> str:
     train_ids = None
     if args.data:
         seqs, held_ids, prompts, train_ids = conversation_sequences(args.data, args.max_conversations,
-                                                                    args.held_out_every)
+                                                                    args.held_out_every, args.loop_tails)
     else:
         seqs, held_ids, prompts = distilled_sequences(args, work, log)
         phases.done("self-distillation")
@@ -171,17 +175,20 @@ def distilled_sequences(args, work: str, log) -> tuple[list[tuple], set, list[di
     return [(s.id, s.token_ids, len(s.prompt_token_ids)) for s in seqs], held_ids, prompts
 
 
-def conversation_sequences(folder: str, limit: int | None, held_out_every: int
+def conversation_sequences(folder: str, limit: int | None, held_out_every: int, loop_tails: str = "keep"
                            ) -> tuple[list[tuple], set, list[dict], set | None]:
     """--data: ([(index, token ids, loss mask)] of every conversation, held-back indices (every N-th of the
     folder, whatever --max-conversations is, so runs of different sizes are measured on the same
     conversations), the held-back check's prompts (each conversation's first user turn with its system
-    prompt), and the indices trained on (the first `limit` others; None: all others)."""
-    from specserve.train.synthesize import read_conversations
+    prompt), and the indices trained on (the first `limit` others; None: all others). loop_tails "cut": the
+    conversations trained on lose their answers' repetition loops after two periods
+    (Conversation.without_loop_tails)."""
+    from specserve.train.shards import read_conversations
 
     convs = read_conversations(folder)
-    seqs = [(i, c.token_ids.tolist(), c.loss_mask) for i, c in enumerate(convs)]
     held = {i for i in range(len(convs)) if i % held_out_every == held_out_every - 1}
+    trained = [c.without_loop_tails() if loop_tails == "cut" and i not in held else c for i, c in enumerate(convs)]
+    seqs = [(i, c.token_ids.tolist(), c.loss_mask) for i, c in enumerate(trained)]
     train = None if limit is None else set([i for i in range(len(convs)) if i not in held][:limit])
     prompts = [{"id": i, "messages": ([{"role": "system", "content": c.meta["system"]}] if c.meta["system"] else [])
                 + [{"role": "user", "content": c.meta["users"][0]}]} for i, c in enumerate(convs)]
@@ -191,7 +198,7 @@ def conversation_sequences(folder: str, limit: int | None, held_out_every: int
 def _check_run(work: str, args) -> None:
     """A resumed run must be the same run: same target, prompts and data settings."""
     keys = ("method", "model", "prompts", "data", "max_prompts", "max_conversations", "max_tokens", "temperature",
-            "feature_dtype", "features_from", "features", "init", "seed")
+            "feature_dtype", "features_from", "features", "init", "seed", "loop_tails")
     run = {k: getattr(args, k) for k in keys}
     path = os.path.join(work, "run.json")
     if os.path.exists(path):
@@ -253,6 +260,8 @@ def model_card(args, command, objective, state, data, phases, acceptance) -> str
               f"- data: {data['num_prompts']} prompts from `{data['prompts']}`, answered by the target itself "
               f"({'greedy' if not data['temperature'] else 'temperature ' + str(data['temperature'])}, at most "
               f"{data['max_tokens']} tokens)")
+             + (", answers' repetition loops cut after two periods (held-back conversations whole)"
+                if args.data and args.loop_tails == "cut" else "")
              + f"; {data['num_tokens']} tokens in all, {data['num_loss_tokens']} answer positions; "
              f"{data['num_train']} sequences trained on, {data['num_held']} held back",
              f"- features: the target's states {'as the engine computes them' if args.features_from == 'engine' else 'from weights dequantized to float32'}"

@@ -19,8 +19,6 @@ model and the shards before it, so an interrupted run resumes at the first missi
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
 import re
@@ -29,9 +27,11 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from specserve.train.shards import Conversation, Manifest, read_conversations, read_shard, shard_stats, write_shard
 
 # System prompts the synthesized conversations start with (written for this project, Apache-2.0); "" means
 # none, so the template's own default applies.
@@ -219,58 +219,6 @@ class Filters:
         return True
 
 
-# ---------------------------------------------------------------- shards
-
-
-@dataclass
-class Conversation:
-    """token_ids: [T] the conversation as the chat template renders it, through the last answer;
-    assistant: [T] bool, tokens the target generated as the assistant; meta: the user turns' text, system
-    prompt, source, answer sampling and finish reasons."""
-
-    token_ids: np.ndarray
-    assistant: np.ndarray
-    meta: dict
-
-    @property
-    def loss_mask(self) -> np.ndarray:
-        """[T] bool: positions whose next token is an assistant token (what a drafter is trained to predict)."""
-        mask = np.zeros_like(self.assistant)
-        mask[:-1] = self.assistant[1:]
-        return mask
-
-
-def write_shard(path: str, conversations: Sequence[Conversation]) -> str:
-    """Writes the shard atomically; returns its sha256."""
-    tokens = np.concatenate([c.token_ids for c in conversations]) if conversations else np.zeros(0, np.int64)
-    dtype = np.uint16 if tokens.size == 0 or int(tokens.max()) < 1 << 16 else np.uint32
-    offsets = np.cumsum([0] + [len(c.token_ids) for c in conversations]).astype(np.int64)
-    assistant = np.concatenate([c.assistant for c in conversations]) if conversations else np.zeros(0, bool)
-    meta = json.dumps([c.meta for c in conversations], ensure_ascii=False).encode()
-    buf = io.BytesIO()
-    np.savez_compressed(buf, tokens=tokens.astype(dtype), offsets=offsets,
-                        assistant=np.packbits(assistant.astype(bool)), meta=np.frombuffer(meta, np.uint8))
-    data = buf.getvalue()
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-    return hashlib.sha256(data).hexdigest()
-
-
-def read_shard(path: str) -> list[Conversation]:
-    with np.load(path) as z:
-        tokens, offsets = z["tokens"].astype(np.int64), z["offsets"]
-        assistant = np.unpackbits(z["assistant"], count=len(tokens)).astype(bool)
-        meta = json.loads(z["meta"].tobytes().decode())
-    return [Conversation(tokens[a:b], assistant[a:b], m) for a, b, m in zip(offsets[:-1], offsets[1:], meta)]
-
-
-def file_sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 # ---------------------------------------------------------------- generation
 
 
@@ -415,64 +363,6 @@ def make_shard(llm, index: int, seed: int, config: SynthConfig, filters: Filters
         if not active:
             break
     return [conv.record() for conv in convs if conv.spans]
-
-
-def shard_stats(conversations: Sequence[Conversation]) -> dict:
-    return dict(conversations=len(conversations), turns=sum(len(c.meta["users"]) for c in conversations),
-                tokens=int(sum(len(c.token_ids) for c in conversations)),
-                answer_tokens=int(sum(int(c.assistant.sum()) for c in conversations)))
-
-
-class Manifest:
-    """manifest.json of a data folder: the command, model, seed and config, and one entry per shard."""
-
-    def __init__(self, folder: str) -> None:
-        self.folder, self.path = folder, os.path.join(folder, "manifest.json")
-        self.data = json.load(open(self.path)) if os.path.exists(self.path) else None
-
-    def start(self, model: str, seed: int, config: SynthConfig, command: str) -> None:
-        run = json.loads(json.dumps(dict(model=model, seed=seed, config=asdict(config))))
-        if self.data is not None:
-            changed = [k for k in run if self.data.get(k) != run[k]]
-            if changed:
-                raise ValueError(f"{self.folder}: the shards there were made with another {', '.join(changed)}; "
-                                 f"use another --out")
-            self.data["commands"] = list(dict.fromkeys(self.data.get("commands", []) + [command]))
-        else:
-            self.data = dict(format=1, **run, commands=[command], shards=[])
-        self.save()
-
-    @property
-    def shards(self) -> list[dict]:
-        return self.data["shards"] if self.data else []
-
-    def add(self, entry: dict) -> None:
-        self.data["shards"].append(entry)
-        keys = ("conversations", "turns", "tokens", "answer_tokens")
-        self.data["totals"] = {k: sum(s[k] for s in self.shards) for k in keys}
-        self.save()
-
-    def save(self) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=1)
-        os.replace(tmp, self.path)
-
-    def verified_shards(self) -> list[dict]:
-        """The listed shards, each checked against its checksum (a missing or changed file is an error)."""
-        for s in self.shards:
-            path = os.path.join(self.folder, s["file"])
-            if not os.path.exists(path) or file_sha256(path) != s["sha256"]:
-                raise ValueError(f"{path}: missing or not the file the manifest lists (sha256 differs)")
-        return self.shards
-
-
-def read_conversations(folder: str) -> list[Conversation]:
-    """Every conversation of a data folder's shards, in shard order."""
-    manifest = Manifest(folder)
-    if manifest.data is None:
-        raise FileNotFoundError(f"{folder}: no manifest.json (make one with `specserve synthesize-data`)")
-    return [c for s in manifest.verified_shards() for c in read_shard(os.path.join(folder, s["file"]))]
 
 
 def synthesize(llm, folder: str, num_shards: int, seed: int, config: SynthConfig, model_name: str,

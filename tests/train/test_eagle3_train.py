@@ -337,7 +337,8 @@ def test_train_drafter_on_a_synthesized_data_folder(target, tmp_path):
     """--data: conversations from a `synthesize-data` folder train as they are; only assistant tokens count,
     every N-th conversation is held back, and the card names the folder and the feature settings."""
     from specserve.cli import main
-    from specserve.train.synthesize import Conversation, Manifest, SynthConfig, write_shard
+    from specserve.train.shards import Conversation, Manifest, write_shard
+    from specserve.train.synthesize import SynthConfig
 
     folder = save_hf_folder(target, tmp_path / "target")
     data = tmp_path / "data"
@@ -378,3 +379,33 @@ def test_train_drafter_on_a_synthesized_data_folder(target, tmp_path):
     after = load_drafter_checkpoint(str(tuned), "eagle3").state_dict
     assert torch.equal(after["d2t"], before["d2t"]) and not torch.equal(after["fc.weight"], before["fc.weight"])
     assert (after["fc.weight"].float() - before["fc.weight"].float()).abs().max() < 0.05
+
+
+def test_loop_tails_cut_shortens_the_trained_conversations_and_keeps_the_held_back_whole(tmp_path):
+    """--loop-tails cut: an answer ending in a repetition loop is trained on up to two periods of it; the
+    held-back conversations are the target's answers as they are, so runs with and without the cut are
+    measured on the same positions."""
+    from specserve.train.pipeline import conversation_sequences
+    from specserve.train.shards import Conversation, Manifest, write_shard
+    from specserve.train.synthesize import SynthConfig
+
+    rng = np.random.default_rng(0)
+    convs = []
+    for i in range(8):
+        answer = rng.integers(100, 200, 30).tolist() + ([5, 6, 7] * 40 if i % 2 else rng.integers(100, 200, 120).tolist())
+        ids = [1, 2, 3] + answer
+        convs.append(Conversation(np.array(ids), np.array([False] * 3 + [True] * len(answer)),
+                                  {"system": "", "users": ["u"], "finish": ["length"]}))
+    manifest = Manifest(str(tmp_path))
+    manifest.start("tiny", 0, SynthConfig(), "test")
+    manifest.add(dict(file="shard-00000.npz", sha256=write_shard(str(tmp_path / "shard-00000.npz"), convs),
+                      conversations=8, turns=8, tokens=0, answer_tokens=0))
+    whole, held, _, _ = conversation_sequences(str(tmp_path), None, 4, "keep")
+    cut, held_cut, _, _ = conversation_sequences(str(tmp_path), None, 4, "cut")
+    assert held == held_cut == {3, 7}
+    for (i, ids, mask), (j, cut_ids, cut_mask) in zip(whole, cut):
+        assert i == j and cut_ids == ids[:len(cut_ids)]
+        if i % 2 and i not in held:  # a looping answer trained on: 30 tokens of text, then two periods of 3
+            assert len(cut_ids) == 3 + 30 + 6 and cut_mask.sum() == 30 + 6
+        else:
+            assert cut_ids == ids and np.array_equal(cut_mask, mask)

@@ -1,5 +1,5 @@
 """Self-synthesized training data: the user-turn filters, near-duplicate and evaluation-overlap detection
-against brute force, shard round trip, multi-turn conversations whose assistant tokens are exactly the
+against brute force, multi-turn conversations whose assistant tokens are exactly the
 generated ones, resume, and the shipped data's distance from Spec-Bench."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from specserve.train.synthesize import (Conversation, Filters, Manifest, NearDuplicates, OverlapGuard, SynthConfig,
-                                        _Conv, degenerate_reason, describe, read_conversations, read_shard,
-                                        specbench_texts, synthesize, word_ngrams, words, write_shard)
+from specserve.train.shards import Manifest, read_conversations
+from specserve.train.synthesize import (Filters, NearDuplicates, OverlapGuard, SynthConfig, _Conv, degenerate_reason,
+                                        describe, specbench_texts, synthesize, word_ngrams, words)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHIPPED = os.path.join(REPO, "data", "selfchat")
@@ -103,32 +103,6 @@ def test_specbench_prompts_are_rejected_and_unrelated_text_is_not():
     assert long_ones and all(guard.rejects(t) for t in long_ones)
     assert all(guard.rejects("Hi! " + t + " Thanks a lot.") for t in long_ones[:50])
     assert not guard.rejects("Can you suggest three vegetarian dinners that take under thirty minutes to cook?")
-
-
-def conversation(r: random.Random, n: int) -> Conversation:
-    ids = np.array([r.randrange(60000) for _ in range(n)], np.int64)
-    mask = np.array([r.random() < 0.5 for _ in range(n)])
-    return Conversation(ids, mask, {"users": [f"u{n}"], "source": "magpie", "note": "é"})
-
-
-def test_shard_round_trip_is_exact(tmp_path):
-    r = random.Random(2)
-    convs = [conversation(r, n) for n in (1, 7, 300, 64)]
-    path = str(tmp_path / "s.npz")
-    write_shard(path, convs)
-    back = read_shard(path)
-    assert len(back) == 4
-    for a, b in zip(convs, back):
-        assert np.array_equal(a.token_ids, b.token_ids) and np.array_equal(a.assistant, b.assistant)
-        assert a.meta == b.meta
-    big = Conversation(np.array([70000, 3]), np.array([True, False]), {"users": []})
-    write_shard(path, [big])
-    assert read_shard(path)[0].token_ids.tolist() == [70000, 3]  # ids past uint16 keep their width
-
-
-def test_loss_mask_counts_the_positions_that_predict_assistant_tokens():
-    c = Conversation(np.arange(6), np.array([False, False, True, True, False, True]), {})
-    assert c.loss_mask.tolist() == [False, True, True, False, True, False]
 
 
 # ---------------------------------------------------------------- generation with a scripted engine

@@ -15,8 +15,21 @@ import argparse
 import json
 import os
 
+import numpy as np
+
 from specserve.bench.common import DEFAULT_DATASET, read_specbench
 from specserve.bench.latency import select_per_category
+
+
+def loop_positions(num_tokens: int, num_prompt_tokens: int, answer: list[int]) -> np.ndarray:
+    """[T] bool: the positions that predict a token of the answer's repetition loop past its second period."""
+    from specserve.train.shards import first_loop
+
+    mask = np.zeros(num_tokens, bool)
+    loop = first_loop(answer)
+    if loop is not None:
+        mask[num_prompt_tokens + loop[0] + 2 * loop[1] - 1:] = True
+    return mask
 
 
 def main() -> int:
@@ -28,6 +41,9 @@ def main() -> int:
     p.add_argument("--prompts-per-category", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--split-loops", action="store_true",
+                   help="also report the positions inside answers' repetition loops (past two periods, as "
+                        "train-drafter --loop-tails cut drops them) apart from the rest")
     args = p.parse_args()
 
     from specserve.llm import LLM
@@ -58,10 +74,16 @@ def main() -> int:
     groups = {"all": list(range(len(store)))}
     for j, sid in enumerate(ids):
         groups.setdefault(category[sid], []).append(j)
+    groups = {name: Subset(store, idx) for name, idx in groups.items()}
+    if args.split_loops:
+        in_loop = [loop_positions(len(s.token_ids), len(s.prompt_token_ids), s.token_ids[len(s.prompt_token_ids):])
+                   for s in seqs]
+        groups["loop tails"] = Subset(store, range(len(store)), in_loop)
+        groups["outside loops"] = Subset(store, range(len(store)), [~m for m in in_loop])
     results = {}
     for head in args.head:
         objective = Eagle3Objective(load_eagle3(head, target), args.steps)
-        results[head] = {name: evaluate(objective, Subset(store, idx)) for name, idx in groups.items()}
+        results[head] = {name: evaluate(objective, group) for name, group in groups.items()}
         print(f"{head}: teacher-forced accuracy by draft step on {len(store)} Spec-Bench answers "
               f"({store.meta['num_loss_tokens']} positions)")
         for name, acc in results[head].items():

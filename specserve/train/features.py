@@ -15,7 +15,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -301,16 +301,21 @@ class TargetParts:
 
 
 class Subset(Sequence):
-    """data[indices] without copying: the training or held-back part of a store."""
+    """data[indices] without copying: the training or held-back part of a store. masks: per index, a [T]
+    bool array of the positions that may count (AND-ed into each sequence's loss mask)."""
 
-    def __init__(self, data: Sequence[SequenceFeatures], indices: Sequence[int]) -> None:
-        self.data, self.indices = data, list(indices)
+    def __init__(self, data: Sequence[SequenceFeatures], indices: Sequence[int],
+                 masks: Sequence[np.ndarray] | None = None) -> None:
+        self.data, self.indices, self.masks = data, list(indices), masks
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __getitem__(self, i: int) -> SequenceFeatures:
-        return self.data[self.indices[i]]
+        f = self.data[self.indices[i]]
+        if self.masks is None:
+            return f
+        return replace(f, loss_mask=f.loss_mask & torch.from_numpy(np.asarray(self.masks[i], bool)))
 
 
 def masked_targets(data: Sequence[SequenceFeatures]) -> torch.Tensor:

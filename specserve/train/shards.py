@@ -37,15 +37,15 @@ class Conversation:
         return mask
 
     def without_loop_tails(self, keep_periods: int = 2) -> "Conversation":
-        """The conversation with each answer's repetition loop (loop_tail) cut after keep_periods periods, so a
+        """The conversation with each answer's repetition loop (first_loop) cut after keep_periods periods, so a
         drafter still learns that the text repeats but does not spend its training on hundreds of tokens of
         it: a loop ending the last answer is cut off; one inside an earlier answer stays as context and its
         tokens stop being assistant tokens (no prediction of them counts)."""
         assistant, end = self.assistant.copy(), len(self.token_ids)
         for a, b in answer_spans(self.assistant):
-            tail = loop_tail(self.token_ids[a:b])
-            if tail is not None:
-                cut = a + tail[0] + keep_periods * tail[1]
+            loop = first_loop(self.token_ids[a:b])
+            if loop is not None:
+                cut = a + loop[0] + keep_periods * loop[1]
                 assistant[cut:b] = False
                 if b == end:
                     end = cut
@@ -89,6 +89,20 @@ def shard_stats(conversations: Sequence[Conversation]) -> dict:
                 answer_tokens=int(sum(int(c.assistant.sum()) for c in conversations)))
 
 
+def config_changes(config, recorded: dict, num_made: int) -> list[str]:
+    """The settings of config that would make any of a folder's first num_made shards differently from its
+    recorded config. A key the record lacks has its default (what the shards made before it existed used); a
+    key ending in `_from` is a shard index a behaviour starts at (None: never), so moving it changes nothing
+    as long as the shards already made stay on the same side of it."""
+    new = json.loads(json.dumps(asdict(config)))
+    old = {**json.loads(json.dumps(asdict(type(config)()))), **recorded}
+
+    def effective(key: str, value):
+        return min(num_made, num_made if value is None else value) if key.endswith("_from") else value
+
+    return [k for k in sorted(set(new) | set(old)) if effective(k, new.get(k)) != effective(k, old.get(k))]
+
+
 class Manifest:
     """manifest.json of a data folder: the command, model, seed and config, and one entry per shard."""
 
@@ -97,13 +111,16 @@ class Manifest:
         self.data = json.load(open(self.path)) if os.path.exists(self.path) else None
 
     def start(self, model: str, seed: int, config, command: str) -> None:
-        """Starts or resumes a run; config: the dataclass of what a shard is made of (a resumed run must match)."""
+        """Starts or resumes a run. config: the dataclass of what a shard is made of; a resumed run must make
+        the shards already there the same way (config_changes), and the manifest then records its config."""
         run = json.loads(json.dumps(dict(model=model, seed=seed, config=asdict(config))))
         if self.data is not None:
-            changed = [k for k in run if self.data.get(k) != run[k]]
+            changed = [k for k in ("model", "seed") if self.data.get(k) != run[k]]
+            changed += [f"config.{k}" for k in config_changes(config, self.data["config"], len(self.shards))]
             if changed:
                 raise ValueError(f"{self.folder}: the shards there were made with another {', '.join(changed)}; "
                                  f"use another --out")
+            self.data["config"] = run["config"]
             self.data["commands"] = list(dict.fromkeys(self.data.get("commands", []) + [command]))
         else:
             self.data = dict(format=1, **run, commands=[command], shards=[])
@@ -157,6 +174,25 @@ def loop_tail(token_ids: Sequence[int], max_period: int = 128, min_run: int = 32
         return None
     p, run = best
     return n - run - p, p
+
+
+def first_loop(token_ids: Sequence[int], max_period: int = 128, min_run: int = 32) -> tuple[int, int, int] | None:
+    """(start, period, end) of the first repetition loop in a token sequence: end is the shortest prefix that
+    loop_tail finds a loop at the end of, and (start, period) is what it finds there. It depends on the tokens
+    up to end only, so a generation stopped once a loop shows gives the same result as the whole text."""
+    ids = np.asarray(token_ids)
+    first = None
+    for p in range(1, min(max_period, len(ids) // 3) + 1):
+        equal = ids[p:] == ids[:-p]  # equal[j]: token j + p repeats token j
+        positions = np.arange(len(equal))
+        runs = positions - np.maximum.accumulate(np.where(equal, -1, positions))
+        hits = np.flatnonzero(runs >= max(2 * p, min_run))
+        if len(hits) and (first is None or int(hits[0]) + p + 1 < first):
+            first = int(hits[0]) + p + 1
+    if first is None:
+        return None
+    start, period = loop_tail(ids[:first], max_period, min_run)
+    return start, period, first
 
 
 def answer_spans(assistant: np.ndarray) -> list[tuple[int, int]]:

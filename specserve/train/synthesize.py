@@ -10,7 +10,10 @@ near duplicates of every earlier user turn (MinHash over word 3-grams), and any 
 of its word 5-grams with a Spec-Bench prompt (the evaluation set). A share of first turns comes from the
 task templates of `specserve.train.prompts` instead. The target answers through the engine's batched
 generation (greedy, or sampled at temperature 0.7-1.0), and a share of conversations goes on: the target
-writes the next user turn after its own answer, and answers it.
+writes the next user turn after its own answer, and answers it. A small target's greedy answer can fall into a
+repetition loop and repeat it to the token limit; from the shard `--stop-loops-from` names on, such an answer
+ends once its loop shows (finish reason "loop"), which saves the generation the loop would cost (a quarter of
+all answer tokens in the first shards) and is what `train-drafter --loop-tails cut` keeps of it anyway.
 
 Each shard is one compressed file of token ids (`shard-NNNNN.npz`: the whole conversation as the template
 renders it, and which tokens the target generated as the assistant) plus the user turns' text; the manifest
@@ -31,7 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specserve.train.shards import Conversation, Manifest, read_conversations, read_shard, shard_stats, write_shard
+from specserve.train.shards import (Conversation, Manifest, first_loop, read_conversations, read_shard, shard_stats,
+                                    write_shard)
 
 # System prompts the synthesized conversations start with (written for this project, Apache-2.0); "" means
 # none, so the template's own default applies.
@@ -238,6 +242,49 @@ class SynthConfig:
     multi_turn_share: float = 0.35
     max_turns: int = 3
     max_seq_tokens: int = 2048
+    # Shards from this index on end an answer once it falls into a repetition loop (shards.first_loop), with
+    # finish reason "loop", instead of generating the loop up to answer_max_tokens; None: never.
+    stop_loops_from: int | None = None
+
+    def stops_loops(self, index: int) -> bool:
+        return self.stop_loops_from is not None and index >= self.stop_loops_from
+
+
+class _Answer:
+    """What make_shard reads of a finished generation (a RequestOutput, or one stopped in a loop)."""
+
+    def __init__(self, token_ids: list[int], text: str, finish_reason: str, error: str | None = None) -> None:
+        self.token_ids, self.text, self.finish_reason, self.error = token_ids, text, finish_reason, error
+
+
+def generate_answers(llm, prompts: list[list[int]], params: list, stop_loops: bool,
+                     check_every: int = 16) -> list[_Answer]:
+    """The target's answers through the engine's batched generation. stop_loops: every check_every tokens an
+    answer is checked for a repetition loop (first_loop) and, once one shows, aborted: its tokens so far are
+    the answer, with finish reason "loop"."""
+    if not stop_loops:
+        return [_Answer(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason, o.error)
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = llm.llm_engine
+    ids = [f"synth-{i}" for i in range(len(prompts))]
+    done: dict[str, _Answer] = {}
+    for rid, prompt, p in zip(ids, prompts, params):
+        try:
+            engine.add_request(rid, prompt, p)
+        except ValueError as exc:
+            done[rid] = _Answer([], "", "error", str(exc))
+    checked = dict.fromkeys(ids, 0)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            o = out.outputs[0]
+            if out.finished:
+                done[out.request_id] = _Answer(list(o.token_ids), o.text, o.finish_reason, out.error)
+            elif len(o.token_ids) >= checked[out.request_id] + check_every:
+                checked[out.request_id] = len(o.token_ids)
+                if first_loop(o.token_ids) is not None:
+                    engine.abort_request(out.request_id)
+                    done[out.request_id] = _Answer(list(o.token_ids), o.text, "loop")
+    return [done[rid] for rid in ids]
 
 
 def pre_query(tokenizer, messages: list[dict]) -> list[int]:
@@ -338,11 +385,9 @@ def make_shard(llm, index: int, seed: int, config: SynthConfig, filters: Filters
         params = [SamplingParams(temperature=conv.answer["temperature"], seed=conv.answer.get("seed", 0) + turn,
                                  max_tokens=min(c.answer_max_tokens, max(1, c.max_seq_tokens - len(ids))))
                   for conv, ids in zip(active, prompt_ids)]
-        outs = llm.generate(prompt_ids, params, use_tqdm=False)
         going = []
-        for conv, ids, out in zip(active, prompt_ids, outs):
-            o = out.outputs[0]
-            if out.error or not conv.add_answer(ids, o.token_ids, o.text, o.finish_reason):
+        for conv, ids, o in zip(active, prompt_ids, generate_answers(llm, prompt_ids, params, c.stops_loops(index))):
+            if o.error or not conv.add_answer(ids, o.token_ids, o.text, o.finish_reason):
                 continue
             if len(conv.spans) < conv.turns and o.finish_reason == "stop" \
                     and len(conv.token_ids) < c.max_seq_tokens - c.answer_max_tokens // 2:
@@ -450,11 +495,22 @@ def add_synthesize_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations-per-shard", type=int, default=SynthConfig.conversations_per_shard)
     p.add_argument("--answer-max-tokens", type=int, default=SynthConfig.answer_max_tokens)
+    p.add_argument("--stop-loops-from", type=int, default=None, metavar="SHARD",
+                   help="shards from this index on end an answer once it falls into a repetition loop instead of "
+                        "generating the loop to the token limit (default: the folder's recorded setting; a new "
+                        "folder: 0); -1: never")
     p.add_argument("--max-num-seqs", type=int, default=128, help="generation batch")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--describe", action="store_true", help="print the folder's mix as JSON and exit")
     p.set_defaults(func=cmd_synthesize)
+
+
+def stop_loops_from(args) -> int | None:
+    if args.stop_loops_from is not None:
+        return None if args.stop_loops_from < 0 else args.stop_loops_from
+    recorded = Manifest(args.out).data
+    return recorded["config"].get("stop_loops_from") if recorded else 0
 
 
 def cmd_synthesize(args) -> int:
@@ -472,7 +528,7 @@ def cmd_synthesize(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = SynthConfig(conversations_per_shard=args.conversations_per_shard,
-                         answer_max_tokens=args.answer_max_tokens)
+                         answer_max_tokens=args.answer_max_tokens, stop_loops_from=stop_loops_from(args))
     llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed)
     templates = [p["prompt"] for p in build_prompts(4000, args.seed)] if config.template_share else []

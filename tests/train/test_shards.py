@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from specserve.train.shards import Conversation, answer_spans, loop_tail, read_conversations, read_shard, write_shard
+from specserve.train.shards import Conversation, answer_spans, first_loop, loop_tail, read_conversations, read_shard, write_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -69,6 +69,22 @@ def test_loop_tail_matches_its_definition_on_planted_and_random_loops():
     ids = planted(random.Random(1), 40, 7, 10)
     start, period = loop_tail(ids)
     assert period == 7 and start <= 40  # the loop begins where the head stops (or earlier, by chance)
+
+
+def test_first_loop_is_the_shortest_prefix_that_ends_in_a_loop():
+    r = random.Random(6)
+    cases = [planted(r, r.randrange(0, 80), r.randrange(1, 40), r.uniform(4, 8)) + [r.randrange(50) for _ in range(9)]
+             for _ in range(60)]
+    cases += [[r.randrange(3) for _ in range(r.randrange(1, 150))] for _ in range(60)]
+    found = 0
+    for ids in cases:
+        expected = next((loop_tail(ids[:m]) + (m,) for m in range(1, len(ids) + 1) if loop_tail(ids[:m])), None)
+        got = first_loop(ids)
+        assert got == expected, ids
+        if got is not None:
+            found += 1
+            assert first_loop(ids[:got[2]]) == got  # known as soon as the loop shows
+    assert found > 40
 
 
 def test_a_final_looping_answer_is_cut_after_two_periods_and_an_earlier_one_is_masked():

@@ -3,6 +3,7 @@ against brute force, multi-turn conversations whose assistant tokens are exactly
 generated ones, resume, and the shipped data's distance from Spec-Bench."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -257,3 +258,55 @@ def test_describe_command_reports_the_shipped_mix(capsys):
     assert set(mix["sources"]) == {"magpie", "template"} and mix["max_specbench_5gram_share"] <= 0.3
     with pytest.raises(SystemExit):
         main(["synthesize-data", "--out", SHIPPED])
+
+
+def test_stopping_loops_ends_each_looping_answer_where_its_loop_shows_and_changes_nothing_else(tmp_path):
+    """generate_answers(stop_loops=True) against plain generation on a tiny random model (whose greedy text
+    loops): each answer is a prefix of the plain one, a stopped answer ends within check_every tokens of where
+    first_loop finds the plain answer's loop (and the same loop), and an answer without a loop is unchanged."""
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+    from specserve.train.shards import first_loop
+    from specserve.train.synthesize import generate_answers
+    from tests.tiny_models import save_hf_folder, tiny_hf_model
+
+    folder = save_hf_folder(tiny_hf_model("llama", vocab_size=40), tmp_path / "m")
+    llm = LLM(model=folder, max_model_len=256, max_num_seqs=6, max_num_batched_tokens=256, block_size=8)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 40, int(rng.integers(3, 12))).tolist() for _ in range(10)]
+    params = [SamplingParams(temperature=0.0 if i % 3 else 0.8, seed=i, max_tokens=200, ignore_eos=True)
+              for i in range(10)]
+    plain = generate_answers(llm, prompts, params, stop_loops=False)
+    stopped = generate_answers(llm, prompts, params, stop_loops=True, check_every=8)
+    loops = 0
+    for a, b in zip(plain, stopped):
+        assert a.token_ids[:len(b.token_ids)] == b.token_ids
+        loop = first_loop(a.token_ids)
+        if loop is None:
+            assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason == "length"
+        else:
+            loops += 1
+            assert b.finish_reason == "loop" and loop[2] <= len(b.token_ids) < loop[2] + 8
+            assert first_loop(b.token_ids) == loop
+    assert loops >= 3
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_moving_stop_loops_from_is_refused_only_where_it_changes_shards_already_made(tmp_path):
+    from specserve.train.shards import config_changes
+
+    recorded = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(SynthConfig()))).items()
+                if k != "stop_loops_from"}  # a folder made before the setting existed
+    assert config_changes(SynthConfig(), recorded, 5) == []
+    assert config_changes(SynthConfig(stop_loops_from=5), recorded, 5) == []  # from the next shard on
+    assert config_changes(SynthConfig(stop_loops_from=9), recorded, 5) == []
+    assert config_changes(SynthConfig(stop_loops_from=4), recorded, 5) == ["stop_loops_from"]
+    assert config_changes(SynthConfig(stop_loops_from=2), dict(recorded, stop_loops_from=3), 5) == ["stop_loops_from"]
+    assert config_changes(SynthConfig(answer_max_tokens=64), recorded, 0) == ["answer_max_tokens"]
+    kw = dict(seed=3, model_name="scripted", guard=None, template_prompts=(), log=lambda *_: None)
+    small = SynthConfig(conversations_per_shard=8, answer_max_tokens=16)
+    synthesize(ScriptedLLM(), str(tmp_path), 2, config=small, **kw)
+    synthesize(ScriptedLLM(), str(tmp_path), 3, config=dataclasses.replace(small, stop_loops_from=3), **kw)
+    assert Manifest(str(tmp_path)).data["config"]["stop_loops_from"] == 3
+    with pytest.raises(ValueError, match="stop_loops_from"):
+        synthesize(ScriptedLLM(), str(tmp_path), 4, config=dataclasses.replace(small, stop_loops_from=1), **kw)

@@ -409,3 +409,16 @@ def test_loop_tails_cut_shortens_the_trained_conversations_and_keeps_the_held_ba
             assert len(cut_ids) == 3 + 30 + 6 and cut_mask.sum() == 30 + 6
         else:
             assert cut_ids == ids and np.array_equal(cut_mask, mask)
+
+
+def test_a_subset_with_masks_counts_only_the_positions_both_allow():
+    from specserve.train.features import Subset
+
+    data = [SequenceFeatures(torch.arange(n), torch.randn(n, 3), torch.arange(n) + 1, torch.arange(n) % 3 > 0)
+            for n in (5, 7)]
+    masks = [np.array([True, True, False, True, False]), np.ones(7, bool)]
+    sub = Subset(data, [1, 0], masks[::-1])
+    assert len(sub) == 2 and torch.equal(sub[0].loss_mask, data[1].loss_mask)
+    assert sub[1].loss_mask.tolist() == [False, True, False, False, False]
+    assert torch.equal(sub[1].hidden, data[0].hidden) and torch.equal(sub[1].input_ids, data[0].input_ids)
+    assert Subset(data, [0])[0] is data[0]

@@ -23,12 +23,12 @@ from specserve.bench.latency import select_per_category
 
 def loop_positions(num_tokens: int, num_prompt_tokens: int, answer: list[int]) -> np.ndarray:
     """[T] bool: the positions that predict a token of the answer's repetition loop past its second period."""
-    from specserve.train.shards import first_loop
+    from specserve.train.shards import loop_cut
 
     mask = np.zeros(num_tokens, bool)
-    loop = first_loop(answer)
-    if loop is not None:
-        mask[num_prompt_tokens + loop[0] + 2 * loop[1] - 1:] = True
+    kept = loop_cut(answer)
+    if kept is not None:
+        mask[num_prompt_tokens + kept - 1:] = True
     return mask
 
 

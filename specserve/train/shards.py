@@ -43,9 +43,9 @@ class Conversation:
         tokens stop being assistant tokens (no prediction of them counts)."""
         assistant, end = self.assistant.copy(), len(self.token_ids)
         for a, b in answer_spans(self.assistant):
-            loop = first_loop(self.token_ids[a:b])
-            if loop is not None:
-                cut = a + loop[0] + keep_periods * loop[1]
+            kept = loop_cut(self.token_ids[a:b], keep_periods)
+            if kept is not None:
+                cut = a + kept
                 assistant[cut:b] = False
                 if b == end:
                     end = cut
@@ -193,6 +193,13 @@ def first_loop(token_ids: Sequence[int], max_period: int = 128, min_run: int = 3
         return None
     start, period = loop_tail(ids[:first], max_period, min_run)
     return start, period, first
+
+
+def loop_cut(token_ids: Sequence[int], keep_periods: int = 2) -> int | None:
+    """How many tokens of an answer to keep when its repetition loop (first_loop) is cut after keep_periods
+    periods; None: it has no loop."""
+    loop = first_loop(token_ids)
+    return None if loop is None else loop[0] + keep_periods * loop[1]
 
 
 def answer_spans(assistant: np.ndarray) -> list[tuple[int, int]]:

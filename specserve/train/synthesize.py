@@ -8,7 +8,11 @@ A user turn is sampled from the target's chat template cut where a user message 
 system prompt), then filtered: length, degenerate text (repetition, non-text, template tokens), exact and
 near duplicates of every earlier user turn (MinHash over word 3-grams), and any turn sharing more than 30%
 of its word 5-grams with a Spec-Bench prompt (the evaluation set). A share of first turns comes from the
-task templates of `specserve.train.prompts` instead. The target answers through the engine's batched
+task templates of `specserve.train.prompts` instead, and from the shard `--documents-from` names on, a share
+are requests about a document (summarize it, list or extract from it, rewrite or translate it, or a question
+about it that the target writes itself), the document being one of the target's own earlier answers or a
+standard-library docstring, so the data holds long user turns whose answers draw on them, as summarization and
+retrieval-augmented requests do. The target answers through the engine's batched
 generation (greedy, or sampled at temperature 0.7-1.0), and a share of conversations goes on: the target
 writes the next user turn after its own answer, and answers it. A small target's greedy answer can fall into a
 repetition loop and repeat it to the token limit; from the shard `--stop-loops-from` names on, such an answer
@@ -22,6 +26,7 @@ model and the shards before it, so an interrupted run resumes at the first missi
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specserve.train.prompts import AUDIENCES, LANGUAGES
 from specserve.train.shards import (Conversation, Manifest, first_loop, read_conversations, read_shard, shard_stats,
                                     write_shard)
 
@@ -55,6 +61,32 @@ SYSTEM_PROMPTS = (
     "You are a helpful assistant for cooking, health and everyday life.",
     "You are a history and geography expert.",
 )
+# Requests about a document (written for this project, Apache-2.0): kind -> instructions; {n}, {what},
+# {audience} and {lang} are filled at random. "question" is written by the target itself (document_turn).
+DOCUMENT_TASKS = {
+    "summarize": ("Summarize the following text.", "Summarize this in {n} sentences.",
+                  "Write a short summary of the text below.", "Give me a TL;DR of this:",
+                  "What is the main idea of this text? Answer in one paragraph."),
+    "key points": ("List the key points of the text below.", "What are the main takeaways? Use bullet points.",
+                   "Outline this text as a numbered list."),
+    "extract": ("Extract all the {what} mentioned in the text below.",
+                "From the text below, extract the {what} and return them as a JSON list.",
+                "Make a table of the {what} in this text."),
+    "rewrite": ("Rewrite this text for {audience}.", "Make the following text more formal.",
+                "Make the following text shorter without losing anything important.",
+                "Paraphrase this text in your own words.", "Improve the style and grammar of this text."),
+    "translate": ("Translate the following text into {lang}.", "Translate this into {lang}:"),
+    "title": ("Suggest a title for this text.", "Write a headline and a one-sentence subtitle for this text."),
+    "critique": ("What is the tone of this text? Explain with examples from it.",
+                 "Is anything in this text unclear or inaccurate? Explain.",
+                 "Write three questions a reader might ask after reading this, and answer them."),
+    "continue": ("Continue this text with another paragraph in the same style.",),
+    "question": ("Answer my question using the text below.", "Read this text, then answer the question after it."),
+}
+DOCUMENT_WEIGHTS = {"summarize": 3, "key points": 2, "extract": 2, "rewrite": 2, "translate": 1, "title": 1,
+                    "critique": 1, "continue": 1, "question": 4}
+EXTRACT_WHAT = ("names", "numbers", "steps", "recommendations", "technical terms", "places", "dates",
+                "main claims", "examples")
 SPECIAL_TEXT = re.compile(r"<\|[^|>]*\|>|</?s>|\[INST\]|<start_of_turn>|<end_of_turn>")
 WORD = re.compile(r"\w+")
 
@@ -205,17 +237,18 @@ class Filters:
     near: NearDuplicates = field(default_factory=NearDuplicates)
     guard: OverlapGuard | None = None
     rejected: Counter = field(default_factory=Counter)
+    passages_used: set[str] = field(default_factory=set)  # passage_key of each document requests were about
 
-    def reason(self, text: str) -> str | None:
-        why = degenerate_reason(text)
+    def reason(self, text: str, max_words: int = 250, max_chars: int = 1600) -> str | None:
+        why = degenerate_reason(text, max_words=max_words, max_chars=max_chars)
         if why is None and self.guard is not None and self.guard.rejects(text):
             why = "evaluation overlap"
         if why is None and self.near.duplicate_of(text) is not None:
             why = "duplicate"
         return why
 
-    def accept(self, text: str) -> bool:
-        why = self.reason(text)
+    def accept(self, text: str, max_words: int = 250, max_chars: int = 1600) -> bool:
+        why = self.reason(text, max_words, max_chars)
         if why is not None:
             self.rejected[why] += 1
             return False
@@ -245,9 +278,17 @@ class SynthConfig:
     # Shards from this index on end an answer once it falls into a repetition loop (shards.first_loop), with
     # finish reason "loop", instead of generating the loop up to answer_max_tokens; None: never.
     stop_loops_from: int | None = None
+    # Shards from this index on make document_share of their first turns requests about a document (an earlier
+    # shard's finished answer of passage_tokens tokens, or a docstring); None: never.
+    documents_from: int | None = None
+    document_share: float = 0.2
+    passage_tokens: tuple[int, int] = (100, 600)
 
     def stops_loops(self, index: int) -> bool:
         return self.stop_loops_from is not None and index >= self.stop_loops_from
+
+    def has_documents(self, index: int) -> bool:
+        return self.documents_from is not None and index >= self.documents_from
 
 
 class _Answer:
@@ -300,8 +341,10 @@ def render(tokenizer, messages: list[dict]) -> list[int]:
 
 
 class _Conv:
-    def __init__(self, system: str, source: str, first_user: str, answer: dict, turns: int) -> None:
+    def __init__(self, system: str, source: str, first_user: str, answer: dict, turns: int,
+                 about: dict | None = None) -> None:
         self.system, self.source, self.answer, self.turns = system, source, answer, turns
+        self.about = about or {}  # a request about a document: its task and passage key
         self.messages = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": first_user}]
         self.users = [first_user]
@@ -325,13 +368,90 @@ class _Conv:
         for a, b in self.spans:
             assistant[a:b] = True
         meta = dict(source=self.source, system=self.system, users=self.users[:len(self.spans)],
-                    answer=self.answer, finish=self.finish)
+                    answer=self.answer, finish=self.finish, **self.about)
         return Conversation(np.asarray(self.token_ids, np.int64), assistant, meta)
 
 
+def document_turn(rng: np.random.Generator, passage: str) -> tuple[str, str, bool]:
+    """A request about passage: (kind, text, asks). The instruction comes before or after the passage; for
+    kind "question" the text ends where the user's question starts (asks: the target writes the question)."""
+    kinds = list(DOCUMENT_WEIGHTS)
+    weights = np.array([DOCUMENT_WEIGHTS[k] for k in kinds], float)
+    kind = kinds[int(rng.choice(len(kinds), p=weights / weights.sum()))]
+    instruction = str(rng.choice(DOCUMENT_TASKS[kind])).format(
+        n=int(rng.integers(2, 5)), what=rng.choice(EXTRACT_WHAT), audience=rng.choice(AUDIENCES),
+        lang=rng.choice(LANGUAGES))
+    if kind == "question":
+        return kind, f"{instruction}\n\n{passage}\n\nQuestion:", True
+    layout = int(rng.integers(3))
+    if layout == 0:
+        return kind, f"{instruction}\n\n{passage}", False
+    if layout == 1:
+        return kind, f"{passage}\n\n{instruction}", False
+    return kind, f'{instruction}\n\nText:\n"""\n{passage}\n"""', False
+
+
+def passages_of(tokenizer, convs: Iterable[Conversation], config: SynthConfig) -> list[str]:
+    """The finished answers of convs (finish "stop") of config.passage_tokens tokens, as text: documents for
+    later shards' requests."""
+    lo, hi = config.passage_tokens
+    out = []
+    for conv in convs:
+        spans = np.flatnonzero(np.diff(np.r_[0, conv.assistant.astype(np.int8), 0])).reshape(-1, 2)
+        for (a, b), finish in zip(spans, conv.meta["finish"]):
+            if finish == "stop" and lo <= b - a <= hi:
+                text = tokenizer.decode(conv.token_ids[a:b].tolist(), skip_special_tokens=True).strip()
+                if degenerate_reason(text, max_words=2 * hi, max_chars=8 * hi) is None:
+                    out.append(text)
+    return out
+
+
+def passage_key(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def document_firsts(llm, rng, c: SynthConfig, filters: Filters, passages: Sequence[str], system_choice, user_params,
+                    about: dict[int, dict], offset: int) -> list[tuple[str, str, str]]:
+    """c.document_share of a shard's first turns as requests about passages (document_turn), each passage at
+    most once (filters.passages_used); a question the target writes passes the user-turn filters on its own.
+    about[offset + i] records each one's task and passage key."""
+    want = int(round(c.conversations_per_shard * c.document_share))
+    tok = llm.get_tokenizer()
+    drafts = []  # (system, kind, text, asks, key)
+    for j in rng.permutation(len(passages))[:3 * want]:
+        key = passage_key(passages[j])
+        if key not in filters.passages_used:
+            kind, text, asks = document_turn(rng, passages[j])
+            drafts.append((system_choice(), kind, text, asks, key))
+    asking = [d for d in drafts if d[3]]
+    questions = llm.generate([pre_query(tok, [{"role": "system", "content": s}] if s else []) + tok.encode(text)
+                              for s, _, text, _, _ in asking], [user_params() for _ in asking], use_tqdm=False)
+    written = {id(d): out.outputs[0] for d, out in zip(asking, questions)}
+    out = []
+    for d in drafts:
+        system, kind, text, asks, key = d
+        if len(out) >= want:
+            break
+        if key in filters.passages_used:
+            continue
+        if asks:
+            q = written[id(d)]
+            why = "unfinished" if q.finish_reason != "stop" else degenerate_reason(q.text.strip()) or \
+                (None if "?" in q.text else "no question")
+            if why is not None:
+                filters.rejected[why] += 1
+                continue
+            text = f"{text} {q.text.strip()}"
+        if filters.accept(text, max_words=2 * c.passage_tokens[1] + 200, max_chars=8 * c.passage_tokens[1] + 1600):
+            filters.passages_used.add(key)
+            about[offset + len(out)] = dict(task=kind, passage=key)
+            out.append((system, "document", text))
+    return out
+
+
 def make_shard(llm, index: int, seed: int, config: SynthConfig, filters: Filters, template_prompts: Sequence[str],
-               log=print) -> list[Conversation]:
-    """One shard of conversations, deterministic for (seed, index, the filters' state)."""
+               passages: Sequence[str] = (), log=print) -> list[Conversation]:
+    """One shard of conversations, deterministic for (seed, index, the filters' state, the passages)."""
     from specserve.sampling_params import SamplingParams
 
     tok = llm.get_tokenizer()
@@ -355,6 +475,9 @@ def make_shard(llm, index: int, seed: int, config: SynthConfig, filters: Filters
             break
         if filters.accept(template_prompts[j]):
             firsts.append((system_choice(), "template", template_prompts[j]))
+    about: dict[int, dict] = {}  # index in firsts -> a document request's task and passage
+    if c.has_documents(index) and passages:
+        firsts += document_firsts(llm, rng, c, filters, passages, system_choice, user_params, about, len(firsts))
     for _ in range(6):
         need = c.conversations_per_shard - len(firsts)
         if need <= 0:
@@ -372,12 +495,12 @@ def make_shard(llm, index: int, seed: int, config: SynthConfig, filters: Filters
                 firsts.append((s, "magpie", text))
 
     convs = []
-    for system, source, text in firsts:
+    for i, (system, source, text) in enumerate(firsts):
         sampled = rng.random() < c.sampled_share
         answer = dict(temperature=round(float(rng.uniform(*c.sampled_temperature)), 3), seed=seed_of()) \
             if sampled else dict(temperature=0.0)
         turns = 1 if rng.random() >= c.multi_turn_share else int(rng.integers(2, c.max_turns + 1))
-        convs.append(_Conv(system, source, text, answer, turns))
+        convs.append(_Conv(system, source, text, answer, turns, about.get(i, {})))
 
     active = list(convs)
     for turn in range(c.max_turns):
@@ -412,19 +535,29 @@ def make_shard(llm, index: int, seed: int, config: SynthConfig, filters: Filters
 
 def synthesize(llm, folder: str, num_shards: int, seed: int, config: SynthConfig, model_name: str,
                command: str = "", guard: OverlapGuard | None = None, template_prompts: Sequence[str] = (),
-               log=print) -> Manifest:
-    """Makes shards until the folder has num_shards; resumes after the last complete one."""
+               documents: Sequence[str] = (), log=print) -> Manifest:
+    """Makes shards until the folder has num_shards; resumes after the last complete one. Requests about a
+    document (config.documents_from) draw on documents and on the earlier shards' answers (passages_of)."""
     os.makedirs(folder, exist_ok=True)
     manifest = Manifest(folder)
     manifest.start(model_name, seed, config, command)
     filters = Filters(guard=guard)
+    with_documents = config.documents_from is not None
+    passages = list(documents) if with_documents else []
     for s in manifest.verified_shards():  # earlier shards' user turns: later shards must not repeat them
-        for conv in read_shard(os.path.join(folder, s["file"])):
+        convs = read_shard(os.path.join(folder, s["file"]))
+        for conv in convs:
             for text in conv.meta["users"]:
                 filters.near.add(text)
+            if "passage" in conv.meta:
+                filters.passages_used.add(conv.meta["passage"])
+        if with_documents:
+            passages += passages_of(llm.get_tokenizer(), convs, config)
     for index in range(len(manifest.shards), num_shards):
         start = time.perf_counter()
-        convs = make_shard(llm, index, seed, config, filters, template_prompts, log=log)
+        convs = make_shard(llm, index, seed, config, filters, template_prompts, passages, log=log)
+        if with_documents:
+            passages += passages_of(llm.get_tokenizer(), convs, config)
         name = f"shard-{index:05d}.npz"
         sha = write_shard(os.path.join(folder, name), convs)
         stats = shard_stats(convs)
@@ -458,7 +591,7 @@ def task_of(text: str) -> str:
 
 def describe(folder: str, guard: OverlapGuard | None = None) -> dict:
     """The mix of a data folder: sources, system prompts, turns, answer sampling and length, task kinds of
-    the first user turns (keyword rules), distinct word n-grams of the user turns, and the largest
+    the first user turns (keyword rules; a request about a document: its task), distinct word n-grams of the user turns, and the largest
     Spec-Bench 5-gram share of any user turn."""
     convs = read_conversations(folder)
     users = [u for c in convs for u in c.meta["users"]]
@@ -479,7 +612,8 @@ def describe(folder: str, guard: OverlapGuard | None = None) -> dict:
         sampled=sum(c.meta["answer"]["temperature"] > 0 for c in convs),
         finish=dict(Counter(f for c in convs for f in c.meta["finish"])),
         answer_tokens_median=float(np.median(answer_lengths)) if convs else 0.0,
-        tasks=dict(Counter(task_of(c.meta["users"][0]) for c in convs).most_common()),
+        tasks=dict(Counter(f"document: {c.meta['task']}" if "task" in c.meta else task_of(c.meta["users"][0])
+                           for c in convs).most_common()),
         distinct_1=round(distinct(1), 4), distinct_2=round(distinct(2), 4), distinct_3=round(distinct(3), 4))
     if guard is not None:
         out["max_specbench_5gram_share"] = round(max((guard.share(u) for u in users), default=0.0), 3)
@@ -499,6 +633,10 @@ def add_synthesize_parser(sub) -> None:
                    help="shards from this index on end an answer once it falls into a repetition loop instead of "
                         "generating the loop to the token limit (default: the folder's recorded setting; a new "
                         "folder: 0); -1: never")
+    p.add_argument("--documents-from", type=int, default=None, metavar="SHARD",
+                   help="shards from this index on make a share of their first turns requests about a document "
+                        "(summaries, extraction, rewriting, questions) over earlier answers and standard-library "
+                        "docstrings (default: the folder's recorded setting; a new folder: 0); -1: never")
     p.add_argument("--max-num-seqs", type=int, default=128, help="generation batch")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -506,11 +644,13 @@ def add_synthesize_parser(sub) -> None:
     p.set_defaults(func=cmd_synthesize)
 
 
-def stop_loops_from(args) -> int | None:
-    if args.stop_loops_from is not None:
-        return None if args.stop_loops_from < 0 else args.stop_loops_from
+def shard_from(args, key: str) -> int | None:
+    """A `*_from` setting: the command line's (-1: never), else the folder's recorded one, else 0."""
+    given = getattr(args, key)
+    if given is not None:
+        return None if given < 0 else given
     recorded = Manifest(args.out).data
-    return recorded["config"].get("stop_loops_from") if recorded else 0
+    return recorded["config"].get(key) if recorded else 0
 
 
 def cmd_synthesize(args) -> int:
@@ -523,16 +663,19 @@ def cmd_synthesize(args) -> int:
     import torch
 
     from specserve.llm import LLM
-    from specserve.train.prompts import build_prompts
+    from specserve.train.prompts import build_prompts, stdlib_docs
 
     if args.threads:
         torch.set_num_threads(args.threads)
     config = SynthConfig(conversations_per_shard=args.conversations_per_shard,
-                         answer_max_tokens=args.answer_max_tokens, stop_loops_from=stop_loops_from(args))
+                         answer_max_tokens=args.answer_max_tokens, stop_loops_from=shard_from(args, "stop_loops_from"),
+                         documents_from=shard_from(args, "documents_from"))
     llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed)
     templates = [p["prompt"] for p in build_prompts(4000, args.seed)] if config.template_share else []
+    documents = [d.doc for d in stdlib_docs(min_chars=500, max_chars=3000)] \
+        if config.documents_from is not None else []
     command = "specserve " + " ".join(shlex.quote(a) for a in args.argv)
     synthesize(llm, args.out, args.shards, args.seed, config, os.path.basename(str(args.model or "default")),
-               command, guard, templates)
+               command, guard, templates, documents)
     return 0

@@ -119,7 +119,7 @@ class CharTokenizer:
     def encode(self, text, add_special_tokens=False):
         return [ord(c) for c in text]
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=False):
         return "".join(chr(i) for i in ids)
 
 
@@ -149,6 +149,11 @@ class ScriptedLLM:
                 r = random.Random(p.seed)
                 t = r.choice(self.pool) if r.random() > 0.1 else r.choice(self.pool[-3:])
                 finish = "length" if r.random() < 0.05 else "stop"
+            elif text.endswith("Question:"):  # the user's question after a document
+                r = random.Random(p.seed)
+                t = r.choice(["why does the", "where is the", "how many"]) + f" {r.choice(self.pool[:20])}" + \
+                    r.choice(["?", ""])
+                finish = "stop"
             else:
                 r = random.Random(hash((tuple(ids), p.seed if p.temperature else None)) & 0xFFFF)
                 t = " ".join(r.choice(["yes", "so", "the", "answer", "is"]) for _ in range(r.randint(2, 9)))
@@ -255,7 +260,8 @@ def test_describe_command_reports_the_shipped_mix(capsys):
     manifest = Manifest(SHIPPED)
     assert mix["conversations"] == manifest.data["totals"]["conversations"] >= 256
     assert mix["answer_tokens"] == manifest.data["totals"]["answer_tokens"]
-    assert set(mix["sources"]) == {"magpie", "template"} and mix["max_specbench_5gram_share"] <= 0.3
+    assert {"magpie", "template"} <= set(mix["sources"]) <= {"magpie", "template", "document"}
+    assert mix["max_specbench_5gram_share"] <= 0.3
     with pytest.raises(SystemExit):
         main(["synthesize-data", "--out", SHIPPED])
 
@@ -310,3 +316,59 @@ def test_moving_stop_loops_from_is_refused_only_where_it_changes_shards_already_
     assert Manifest(str(tmp_path)).data["config"]["stop_loops_from"] == 3
     with pytest.raises(ValueError, match="stop_loops_from"):
         synthesize(ScriptedLLM(), str(tmp_path), 4, config=dataclasses.replace(small, stop_loops_from=1), **kw)
+
+
+def test_requests_about_documents_use_each_passage_once_from_earlier_shards_and_resume_identically(tmp_path):
+    """From documents_from on, a share of first turns is a request about a document: a given docstring or an
+    earlier shard's finished answer within passage_tokens, each used once; a question kind ends with the text
+    the target wrote after the passage; the shards are the same when the run resumes midway."""
+    from specserve.train.shards import read_shard
+    from specserve.train.synthesize import DOCUMENT_TASKS, passage_key, passages_of
+
+    docs = [f"Document {i}: the river {w} flows past {i} mills and {i % 7} bridges before the sea."
+            for i, w in enumerate(["slowly", "quietly", "north", "east", "under hills"] * 4)]
+    config = SynthConfig(conversations_per_shard=40, answer_max_tokens=64, documents_from=1, document_share=0.25,
+                         passage_tokens=(12, 60), multi_turn_share=0.3)
+    kw = dict(seed=5, config=config, model_name="scripted", guard=OverlapGuard(["x"]), template_prompts=(),
+              documents=docs, log=lambda *_: None)
+    synthesize(ScriptedLLM(), str(tmp_path / "a"), 4, **kw)
+    synthesize(ScriptedLLM(), str(tmp_path / "b"), 2, **kw)
+    synthesize(ScriptedLLM(), str(tmp_path / "b"), 4, **kw)
+    a, b = Manifest(str(tmp_path / "a")), Manifest(str(tmp_path / "b"))
+    assert [s["sha256"] for s in a.shards] == [s["sha256"] for s in b.shards]
+
+    tok = CharTokenizer()
+    shards = [read_shard(str(tmp_path / "a" / s["file"])) for s in a.shards]
+    assert all(c.meta["source"] != "document" for c in shards[0])
+    used, questions = [], 0
+    for i, convs in enumerate(shards[1:], 1):
+        pool = docs + [p for earlier in shards[:i] for p in passages_of(tok, earlier, config)]
+        documents = [c for c in convs if c.meta["source"] == "document"]
+        assert len(documents) == round(40 * 0.25)
+        for c in documents:
+            first = c.meta["users"][0]
+            inside = max((p for p in pool if p in first), key=len, default=None)
+            assert inside is not None and len(first) - len(inside) < 200, first  # one passage and its request
+            used.append(inside)
+            assert c.meta["passage"] == passage_key(inside)
+            assert c.meta["task"] in DOCUMENT_TASKS
+            if c.meta["task"] == "question":
+                assert first.startswith(DOCUMENT_TASKS["question"]) and "\n\nQuestion: " in first
+                assert first.split("\n\nQuestion: ")[-1].endswith("?")
+                questions += 1
+        for c in convs:  # answers as passages: finished ones within the bounds only
+            for text in passages_of(tok, [c], config):
+                assert 12 <= len(text) <= 60
+    assert len(used) == len(set(used)) and any(p not in docs for p in used) and questions >= 3
+    mix = describe(str(tmp_path / "a"))
+    assert mix["sources"]["document"] == 30 and any(k.startswith("document: ") for k in mix["tasks"])
+
+
+def test_documents_from_is_read_from_the_folder_when_not_given(tmp_path):
+    from specserve.train.synthesize import shard_from
+
+    args = SimpleNamespace(out=str(tmp_path), documents_from=None, stop_loops_from=-1)
+    assert shard_from(args, "documents_from") == 0 and shard_from(args, "stop_loops_from") is None
+    synthesize(ScriptedLLM(), str(tmp_path), 1, seed=1, config=SynthConfig(conversations_per_shard=6,
+               answer_max_tokens=16, documents_from=4), model_name="scripted", log=lambda *_: None)
+    assert shard_from(args, "documents_from") == 4

@@ -387,7 +387,7 @@ def document_turn(rng: np.random.Generator, passage: str) -> tuple[str, str, boo
     if layout == 0:
         return kind, f"{instruction}\n\n{passage}", False
     if layout == 1:
-        return kind, f"{passage}\n\n{instruction}", False
+        return kind, f"{passage}\n\n{instruction.replace('below', 'above')}", False
     return kind, f'{instruction}\n\nText:\n"""\n{passage}\n"""', False
 
 

@@ -351,6 +351,8 @@ def test_requests_about_documents_use_each_passage_once_from_earlier_shards_and_
             assert inside is not None and len(first) - len(inside) < 200, first  # one passage and its request
             used.append(inside)
             assert c.meta["passage"] == passage_key(inside)
+            if first.startswith(inside):  # the request after its document points up to it
+                assert "below" not in first[len(inside):]
             assert c.meta["task"] in DOCUMENT_TASKS
             if c.meta["task"] == "question":
                 assert first.startswith(DOCUMENT_TASKS["question"]) and "\n\nQuestion: " in first

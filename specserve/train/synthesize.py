@@ -32,16 +32,16 @@ import os
 import re
 import shlex
 import time
-import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from specserve.train.prompts import AUDIENCES, LANGUAGES
 from specserve.train.shards import (Conversation, Manifest, first_loop, read_conversations, read_shard, shard_stats,
                                     write_shard)
+from specserve.train.text_filters import Filters, OverlapGuard, degenerate_reason, specbench_texts, words
 
 # System prompts the synthesized conversations start with (written for this project, Apache-2.0); "" means
 # none, so the template's own default applies.
@@ -87,173 +87,6 @@ DOCUMENT_WEIGHTS = {"summarize": 3, "key points": 2, "extract": 2, "rewrite": 2,
                     "critique": 1, "continue": 1, "question": 4}
 EXTRACT_WHAT = ("names", "numbers", "steps", "recommendations", "technical terms", "places", "dates",
                 "main claims", "examples")
-SPECIAL_TEXT = re.compile(r"<\|[^|>]*\|>|</?s>|\[INST\]|<start_of_turn>|<end_of_turn>")
-WORD = re.compile(r"\w+")
-
-
-# ---------------------------------------------------------------- filters
-
-
-def words(text: str) -> list[str]:
-    return WORD.findall(text.lower())
-
-
-def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
-    w = words(text)
-    return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
-
-
-def degenerate_reason(text: str, min_words: int = 3, max_words: int = 250, max_chars: int = 1600) -> str | None:
-    """Why a synthesized user turn is unusable, or None: empty or out of length bounds, chat-template
-    tokens, non-text (few letters, control or replacement characters), or degenerate repetition (a character
-    run, few distinct words, one word 3-gram repeated over a fifth of the text)."""
-    w = words(text)
-    if not w:
-        return "empty"
-    if len(w) < min_words:
-        return "too short"
-    if len(w) > max_words or len(text) > max_chars:
-        return "too long"
-    if SPECIAL_TEXT.search(text):
-        return "template tokens"
-    visible = [c for c in text if not c.isspace()]
-    if "\ufffd" in text or any(ord(c) < 32 and c not in "\n\t\r" for c in text):
-        return "non-text"
-    if re.search(r"(\S)\1{11,}", text):
-        return "repetition"
-    if sum(c.isalpha() for c in visible) < 0.6 * len(visible):
-        return "non-text"
-    if len(w) >= 20 and len(set(w)) < 0.35 * len(w):
-        return "repetition"
-    grams = Counter(tuple(w[i:i + 3]) for i in range(len(w) - 2))
-    if grams:
-        count = grams.most_common(1)[0][1]
-        if count >= 4 and 3 * count > 0.2 * len(w):
-            return "repetition"
-    return None
-
-
-_PRIME = (1 << 61) - 1
-
-
-def _shingle_hashes(grams: Iterable[tuple[str, ...]]) -> np.ndarray:
-    return np.array([zlib.crc32(" ".join(g).encode()) for g in grams], dtype=np.uint64)
-
-
-class NearDuplicates:
-    """Exact and near-duplicate detection over many short texts: a text is a near duplicate of an earlier
-    one when the Jaccard similarity of their word 3-gram sets (word sets under 3 words) is at least
-    `threshold`. Candidates come from MinHash signatures in LSH bands and are confirmed on the sets."""
-
-    def __init__(self, threshold: float = 0.6, num_perm: int = 64, bands: int = 16, n: int = 3, seed: int = 0) -> None:
-        if num_perm % bands:
-            raise ValueError(f"num_perm {num_perm} must be a multiple of bands {bands}")
-        rng = np.random.default_rng(seed)
-        self.a = rng.integers(1, 1 << 31, num_perm, dtype=np.uint64)
-        self.b = rng.integers(0, 1 << 31, num_perm, dtype=np.uint64)
-        self.threshold, self.bands, self.n = threshold, bands, n
-        self.rows = num_perm // bands
-        self.exact: set[str] = set()
-        self.sets: list[frozenset] = []
-        self.buckets: list[dict[bytes, list[int]]] = [{} for _ in range(bands)]
-
-    def _shingles(self, text: str) -> frozenset:
-        w = words(text)
-        n = min(self.n, len(w))
-        return frozenset(tuple(w[i:i + n]) for i in range(len(w) - n + 1)) if w else frozenset()
-
-    def _signature(self, shingles: frozenset) -> np.ndarray:
-        h = _shingle_hashes(shingles)[:, None]
-        # (a * h + b) mod p with a, h < 2^32: exact in uint64, no overflow
-        return ((self.a[None, :] * h + self.b[None, :]) % np.uint64(_PRIME)).min(0)
-
-    def duplicate_of(self, text: str) -> int | None:
-        """Index of an earlier text this one duplicates (exactly: -1), or None."""
-        key = " ".join(words(text))
-        if key in self.exact:
-            return -1
-        shingles = self._shingles(text)
-        if not shingles:
-            return None
-        sig = self._signature(shingles)
-        seen = set()
-        for band, table in enumerate(self.buckets):
-            for j in table.get(sig[band * self.rows:(band + 1) * self.rows].tobytes(), ()):
-                if j not in seen:
-                    seen.add(j)
-                    other = self.sets[j]
-                    if len(shingles & other) >= self.threshold * len(shingles | other):
-                        return j
-        return None
-
-    def add(self, text: str) -> bool:
-        """Adds text unless it duplicates an earlier one; True if added."""
-        if self.duplicate_of(text) is not None:
-            return False
-        self.exact.add(" ".join(words(text)))
-        shingles = self._shingles(text)
-        index = len(self.sets)
-        self.sets.append(shingles)
-        if shingles:
-            sig = self._signature(shingles)
-            for band, table in enumerate(self.buckets):
-                table.setdefault(sig[band * self.rows:(band + 1) * self.rows].tobytes(), []).append(index)
-        return True
-
-
-class OverlapGuard:
-    """Keeps evaluation text out: share(text) is the largest fraction of text's word 5-grams that any one
-    reference contains; texts above max_share are rejected."""
-
-    def __init__(self, references: Sequence[str], n: int = 5, max_share: float = 0.3) -> None:
-        self.n, self.max_share = n, max_share
-        self.index: dict[tuple[str, ...], list[int]] = {}
-        for i, ref in enumerate(references):
-            for g in word_ngrams(ref, n):
-                self.index.setdefault(g, []).append(i)
-
-    def share(self, text: str) -> float:
-        grams = word_ngrams(text, self.n)
-        if not grams:
-            return 0.0
-        hits = Counter(i for g in grams for i in self.index.get(g, ()))
-        return max(hits.values(), default=0) / len(grams)
-
-    def rejects(self, text: str) -> bool:
-        return self.share(text) > self.max_share
-
-
-def specbench_texts(path: str | None = None) -> list[str]:
-    """Every turn of every Spec-Bench question (the benchmarks' dataset)."""
-    from specserve.bench.common import DEFAULT_DATASET, read_specbench
-
-    return [t for row in read_specbench(path or DEFAULT_DATASET) for t in row["turns"] if isinstance(t, str)]
-
-
-@dataclass
-class Filters:
-    """The user-turn filter chain, with rejection counts by reason."""
-
-    near: NearDuplicates = field(default_factory=NearDuplicates)
-    guard: OverlapGuard | None = None
-    rejected: Counter = field(default_factory=Counter)
-    passages_used: set[str] = field(default_factory=set)  # passage_key of each document requests were about
-
-    def reason(self, text: str, max_words: int = 250, max_chars: int = 1600) -> str | None:
-        why = degenerate_reason(text, max_words=max_words, max_chars=max_chars)
-        if why is None and self.guard is not None and self.guard.rejects(text):
-            why = "evaluation overlap"
-        if why is None and self.near.duplicate_of(text) is not None:
-            why = "duplicate"
-        return why
-
-    def accept(self, text: str, max_words: int = 250, max_chars: int = 1600) -> bool:
-        why = self.reason(text, max_words, max_chars)
-        if why is not None:
-            self.rejected[why] += 1
-            return False
-        self.near.add(text)
-        return True
 
 
 # ---------------------------------------------------------------- generation
@@ -449,6 +282,43 @@ def document_firsts(llm, rng, c: SynthConfig, filters: Filters, passages: Sequen
     return out
 
 
+def converse(llm, convs: list[_Conv], c: SynthConfig, stop_loops: bool, filters: Filters, user_params) -> None:
+    """Answers each conversation's turns: the target answers every active conversation in one batch, and one
+    that wants another turn (and whose answer ended by itself, with room left) gets the next user turn the
+    target writes after its answer, if that passes the filters."""
+    from specserve.sampling_params import SamplingParams
+
+    tok = llm.get_tokenizer()
+    active = list(convs)
+    for turn in range(c.max_turns):
+        prompt_ids = [render(tok, conv.messages) for conv in active]
+        params = [SamplingParams(temperature=conv.answer["temperature"], seed=conv.answer.get("seed", 0) + turn,
+                                 max_tokens=min(c.answer_max_tokens, max(1, c.max_seq_tokens - len(ids))))
+                  for conv, ids in zip(active, prompt_ids)]
+        going = []
+        for conv, ids, o in zip(active, prompt_ids, generate_answers(llm, prompt_ids, params, stop_loops)):
+            if o.error or not conv.add_answer(ids, o.token_ids, o.text, o.finish_reason):
+                continue
+            if len(conv.spans) < conv.turns and o.finish_reason == "stop" \
+                    and len(conv.token_ids) < c.max_seq_tokens - c.answer_max_tokens // 2:
+                going.append(conv)
+        if not going:
+            break
+        outs = llm.generate([pre_query(tok, conv.messages) for conv in going], [user_params() for _ in going],
+                            use_tqdm=False)
+        active = []
+        for conv, out in zip(going, outs):
+            text = out.outputs[0].text.strip()
+            if out.outputs[0].finish_reason != "stop":
+                filters.rejected["unfinished"] += 1
+            elif filters.accept(text):
+                conv.messages.append({"role": "user", "content": text})
+                conv.users.append(text)
+                active.append(conv)
+        if not active:
+            break
+
+
 def make_shard(llm, index: int, seed: int, config: SynthConfig, filters: Filters, template_prompts: Sequence[str],
                passages: Sequence[str] = (), log=print) -> list[Conversation]:
     """One shard of conversations, deterministic for (seed, index, the filters' state, the passages)."""
@@ -502,34 +372,7 @@ def make_shard(llm, index: int, seed: int, config: SynthConfig, filters: Filters
         turns = 1 if rng.random() >= c.multi_turn_share else int(rng.integers(2, c.max_turns + 1))
         convs.append(_Conv(system, source, text, answer, turns, about.get(i, {})))
 
-    active = list(convs)
-    for turn in range(c.max_turns):
-        prompt_ids = [render(tok, conv.messages) for conv in active]
-        params = [SamplingParams(temperature=conv.answer["temperature"], seed=conv.answer.get("seed", 0) + turn,
-                                 max_tokens=min(c.answer_max_tokens, max(1, c.max_seq_tokens - len(ids))))
-                  for conv, ids in zip(active, prompt_ids)]
-        going = []
-        for conv, ids, o in zip(active, prompt_ids, generate_answers(llm, prompt_ids, params, c.stops_loops(index))):
-            if o.error or not conv.add_answer(ids, o.token_ids, o.text, o.finish_reason):
-                continue
-            if len(conv.spans) < conv.turns and o.finish_reason == "stop" \
-                    and len(conv.token_ids) < c.max_seq_tokens - c.answer_max_tokens // 2:
-                going.append(conv)
-        if not going:
-            break
-        outs = llm.generate([pre_query(tok, conv.messages) for conv in going], [user_params() for _ in going],
-                            use_tqdm=False)
-        active = []
-        for conv, out in zip(going, outs):
-            text = out.outputs[0].text.strip()
-            if out.outputs[0].finish_reason != "stop":
-                filters.rejected["unfinished"] += 1
-            elif filters.accept(text):
-                conv.messages.append({"role": "user", "content": text})
-                conv.users.append(text)
-                active.append(conv)
-        if not active:
-            break
+    converse(llm, convs, c, c.stops_loops(index), filters, user_params)
     return [conv.record() for conv in convs if conv.spans]
 
 

@@ -8,6 +8,10 @@ them to the head) and reused for every head evaluated there.
 
     .venv/bin/python benchmarks/drafter_accuracy.py --head specserve/heads/smollm2-135m-instruct-eagle3 \\
         --work runs/specbench-accuracy --prompts-per-category 8
+
+`--held-back DATA --features DIR` measures instead on the conversations `train-drafter --data DATA` holds back
+(every 32nd), with the feature store a training run on DATA wrote, so heads trained on different sizes are
+compared on the same conversations.
 """
 from __future__ import annotations
 
@@ -44,7 +48,13 @@ def main() -> int:
     p.add_argument("--split-loops", action="store_true",
                    help="also report the positions inside answers' repetition loops (past two periods, as "
                         "train-drafter --loop-tails cut drops them) apart from the rest")
+    p.add_argument("--held-back", metavar="DATA", default=None,
+                   help="measure on this data folder's held-back conversations instead of Spec-Bench")
+    p.add_argument("--features", default=None, help="--held-back: the feature store of a training run on DATA")
+    p.add_argument("--feature-dtype", default="q8", help="--held-back: that store's dtype")
     args = p.parse_args()
+    if args.held_back:
+        return held_back_accuracy(args)
 
     from specserve.llm import LLM
     from specserve.models.loader import load_model_weights
@@ -90,6 +100,29 @@ def main() -> int:
             print(f"  {name:>22}: " + "  ".join(f"{a:.3f}" for a in acc))
     with open(os.path.join(args.work, "accuracy.json"), "w") as f:
         json.dump(results, f, indent=1)
+    return 0
+
+
+def held_back_accuracy(args) -> int:
+    from specserve.models.loader import load_model_weights
+    from specserve.train.eagle3 import Eagle3Objective, load_eagle3
+    from specserve.train.features import Subset, TargetParts, default_aux_layers, feature_model, write_feature_store
+    from specserve.train.loop import evaluate
+    from specserve.train.pipeline import conversation_sequences
+
+    if not args.features:
+        raise SystemExit("--held-back needs --features (the store a training run on that folder wrote)")
+    seqs, held, _, _ = conversation_sequences(args.held_back, None, 32)
+    loaded = load_model_weights(args.model)
+    aux = default_aux_layers(loaded.config["num_hidden_layers"])
+    store = write_feature_store(feature_model(args.model, aux), [s[1] for s in seqs], [s[2] for s in seqs],
+                                args.features, "aux", args.feature_dtype, [s[0] for s in seqs])
+    held_set = Subset(store, [j for j, sid in enumerate(store.sequence_ids()) if sid in held])
+    target = TargetParts.from_state_dict(loaded.config, loaded.state_dict)
+    for head in args.head:
+        acc = evaluate(Eagle3Objective(load_eagle3(head, target), args.steps), held_set)
+        print(f"{head}: held-back accuracy by draft step on {len(held_set)} conversations of {args.held_back}: "
+              + "  ".join(f"{a:.3f}" for a in acc))
     return 0
 
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from specserve.train.prompts import AUDIENCES, LANGUAGES
-from specserve.train.shards import (Conversation, Manifest, first_loop, read_conversations, read_shard, shard_stats,
-                                    write_shard)
+from specserve.train.shards import (Conversation, Manifest, answer_spans, first_loop, read_conversations, read_shard,
+                                    shard_stats, write_shard)
 from specserve.train.text_filters import Filters, OverlapGuard, degenerate_reason, specbench_texts, words
 
 # System prompts the synthesized conversations start with (written for this project, Apache-2.0); "" means
@@ -230,8 +230,7 @@ def passages_of(tokenizer, convs: Iterable[Conversation], config: SynthConfig) -
     lo, hi = config.passage_tokens
     out = []
     for conv in convs:
-        spans = np.flatnonzero(np.diff(np.r_[0, conv.assistant.astype(np.int8), 0])).reshape(-1, 2)
-        for (a, b), finish in zip(spans, conv.meta["finish"]):
+        for (a, b), finish in zip(answer_spans(conv.assistant), conv.meta["finish"]):
             if finish == "stop" and lo <= b - a <= hi:
                 text = tokenizer.decode(conv.token_ids[a:b].tolist(), skip_special_tokens=True).strip()
                 if degenerate_reason(text, max_words=2 * hi, max_chars=8 * hi) is None:

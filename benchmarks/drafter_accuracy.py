@@ -10,7 +10,7 @@ them to the head) and reused for every head evaluated there.
         --work runs/specbench-accuracy --prompts-per-category 8
 
 `--held-back DATA --features DIR` measures instead on the conversations `train-drafter --data DATA` holds back
-(every 32nd), with the feature store a training run on DATA wrote, so heads trained on different sizes are
+(every `--held-out-every`-th), with the feature store a training run on DATA wrote, so heads trained on different sizes are
 compared on the same conversations.
 """
 from __future__ import annotations
@@ -52,6 +52,7 @@ def main() -> int:
                    help="measure on this data folder's held-back conversations instead of Spec-Bench")
     p.add_argument("--features", default=None, help="--held-back: the feature store of a training run on DATA")
     p.add_argument("--feature-dtype", default="q8", help="--held-back: that store's dtype")
+    p.add_argument("--held-out-every", type=int, default=32, help="--held-back: as the training run had it")
     args = p.parse_args()
     if args.held_back:
         return held_back_accuracy(args)
@@ -112,7 +113,7 @@ def held_back_accuracy(args) -> int:
 
     if not args.features:
         raise SystemExit("--held-back needs --features (the store a training run on that folder wrote)")
-    seqs, held, _, _ = conversation_sequences(args.held_back, None, 32)
+    seqs, held, _, _ = conversation_sequences(args.held_back, None, args.held_out_every)
     loaded = load_model_weights(args.model)
     aux = default_aux_layers(loaded.config["num_hidden_layers"])
     store = write_feature_store(feature_model(args.model, aux), [s[1] for s in seqs], [s[2] for s in seqs],

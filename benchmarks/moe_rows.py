@@ -65,7 +65,7 @@ def main() -> None:
     p.add_argument("--weights", default="fp32", choices=["fp32", "q4_0", "q8_0"])
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--python-loop", action="store_true",
-                   help="run the experts as a Python loop of GEMM calls instead of one C call (kernels.moe_experts)")
+                   help="run the experts as a Python loop of GEMM calls instead of one C call (fused.moe_experts)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args()
 

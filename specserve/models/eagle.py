@@ -15,7 +15,7 @@ from specserve.models.llama import DecoderConfig, make_linear, rms_norm
 from specserve.models.loader import ModelLoadError
 from specserve.models.qwen2_vl import MRotaryEmbedding
 from specserve.models.rope import RotaryEmbedding, apply_rotary
-from specserve.ops import kernels
+from specserve.ops import fused, kernels
 from specserve.ops.attention import AttentionMetadata, paged_attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key, value) caches, see attention.kv_caches
@@ -213,7 +213,7 @@ class Eagle3Head(_EagleHeadBase):
         self.lm_head = self._lm_head(checkpoint, target, weight_dtype)
         self.exact_argmax = getattr(self.lm_head, "enable_exact_argmax", lambda: False)()
         self.draft_ids = _draft_id_map(checkpoint, Vd, V)  # [Vd] target id of each draft id; None: identity
-        self._chains = kernels.TensorKeyed(self._build_chains_kernel)
+        self._chains = fused.TensorKeyed(self._build_chains_kernel)
         self._check_config(checkpoint)
 
     def _lm_head(self, ckpt: DrafterCheckpoint, target, weight_dtype):
@@ -250,7 +250,7 @@ class Eagle3Head(_EagleHeadBase):
         if kernel is not None:  # the same kernels in one C call
             cos, sin = self._cos_sin(positions)
             cfg = self.config
-            return kernels.eagle3_forward(
+            return fused.eagle3_forward(
                 kernel, hidden.contiguous(), token_ids.to(torch.int64).contiguous(), cos.reshape(len(token_ids), -1),
                 sin.reshape(len(token_ids), -1), meta.slot_mapping, meta.slot_rows, meta.kernel,
                 (self.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
@@ -281,14 +281,14 @@ class Eagle3Head(_EagleHeadBase):
         ids = self.lm_head.argmax(h) if self.exact_argmax else kernels.argmax_rows(self.lm_head(h).float())
         return self.draft_to_target(ids)
 
-    def chains_kernel(self, kv_cache: KVCache) -> "kernels.Eagle3C | None":
+    def chains_kernel(self, kv_cache: KVCache) -> "fused.Eagle3C | None":
         """The C struct draft_chains runs on, or None where the head cannot run there: the C kernels off, M-RoPE
         (positions per section), or a linear or embedding outside the C GEMMs' formats."""
         if not self.c_ops or self.uses_mrope:
             return None
         return self._chains.get((kv_cache[0], kv_cache[1]))
 
-    def _build_chains_kernel(self, caches: tuple) -> "kernels.Eagle3C | None":
+    def _build_chains_kernel(self, caches: tuple) -> "fused.Eagle3C | None":
         from specserve.models.gguf_quant import QuantizedWeight
 
         layer = self.layer
@@ -306,20 +306,20 @@ class Eagle3Head(_EagleHeadBase):
         screen = self.lm_head._screen if self.exact_argmax else None
         draft_ids = self.draft_ids.to(torch.int64).contiguous() if self.draft_ids is not None else None
         norms = [t.contiguous() for t in (self.input_norm, self.hidden_norm, layer.post_norm, self.norm)]
-        struct = kernels.Eagle3C(*(kernels.linear_c(op) for op in linears), *(t.data_ptr() for t in norms), embed_ptr,
+        struct = fused.Eagle3C(*(fused.linear_c(op) for op in linears), *(t.data_ptr() for t in norms), embed_ptr,
                                  fmt, group, *(t.data_ptr() for t in screen) if screen else (None,) * 4,
                                  draft_ids.data_ptr() if draft_ids is not None else None, caches[0].data_ptr(),
                                  caches[1].data_ptr(), layer.window, int(bool(self.norm_before_residual)))
         struct.keep = (linears, norms, keep, screen, draft_ids, caches)  # what the pointers point into
         return struct
 
-    def draft_chains(self, kernel: "kernels.Eagle3C", g0: torch.Tensor, num_drafts: list[int], positions: list[int],
+    def draft_chains(self, kernel: "fused.Eagle3C", g0: torch.Tensor, num_drafts: list[int], positions: list[int],
                      history: list[int], block_tables: list[list[int]], block_size: int) -> list[list[int]]:
         """Greedy chains for R requests in one C call, each draft bitwise what greedy_tokens then forward give
         a step at a time. g0: [R, H] the outputs the first drafts come from; per request: its number of drafts,
         the position p and the history length n of its first draft (draft s is fed back at position p + s, its
         K/V at cache index n - 1 + s), and its block table."""
-        R, most, steps = len(num_drafts), max(num_drafts), max(num_drafts) - 1
+        R, steps = len(num_drafts), max(num_drafts) - 1
         width = max(len(t) for t in block_tables)
         slots, context, at = [], [], []
         for n, p, h, table in zip(num_drafts, positions, history, block_tables):
@@ -332,7 +332,7 @@ class Eagle3Head(_EagleHeadBase):
         cfg = self.config
         dims = (self.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                 cfg.intermediate_size, self.draft_vocab_size)
-        out = kernels.eagle3_chains(
+        out = fused.eagle3_chains(
             kernel, g0.contiguous(), torch.tensor(num_drafts, dtype=torch.int64),
             cos.reshape(R, steps, cfg.head_dim).contiguous(), sin.reshape(R, steps, cfg.head_dim).contiguous(),
             torch.tensor(slots, dtype=torch.int64).reshape(R, steps),

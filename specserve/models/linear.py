@@ -317,7 +317,7 @@ class FastLinear(torch.nn.Module):
 
     def c_operands(self) -> tuple | None:
         """(packed weight, int8 scales or None, bias or None, (format, group)) when every call takes a C GEMM,
-        else None: what a fused C caller (kernels.decoder_forward) passes for this layer."""
+        else None: what a fused C caller (fused.decoder_forward) passes for this layer."""
         if self._numpy_max_rows:
             return None
         if self._slow in ("c", "c_gguf"):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from specserve.models.gguf_quant import cat_rows
 from specserve.models.moe import MoEConfig, MoEMLP
 from specserve.models.rope import RotaryEmbedding, apply_rotary, rope_parameters
-from specserve.ops import kernels
+from specserve.ops import fused, kernels
 from specserve.ops.attention import AttentionMetadata, paged_attention
 
 
@@ -268,7 +268,7 @@ class LlamaForCausalLM:
         # every layer runs on C kernels; tests turn it off to compare the two.
         # (not when windowed layers mix with full-attention ones: those keep block tables of their own)
         self.fused_forward = self._fused_operands() is not None and not self.mixed_windows
-        self._fused_layers = kernels.TensorKeyed(self._build_layers_c)  # keyed by the KV cache tensors
+        self._fused_layers = fused.TensorKeyed(self._build_layers_c)  # keyed by the KV cache tensors
 
     def set_aux_hidden_layers(self, layers) -> None:
         """Which layers' inputs (the residual stream entering layer i, before its norm; HF's
@@ -364,10 +364,10 @@ class LlamaForCausalLM:
 
     def _build_layers_c(self, cache_tensors: tuple[torch.Tensor, ...]):
         """The ctypes layer array over these (key, value, key, value, ...) cache tensors."""
-        layers = (kernels.DecoderLayerC * len(self.layers))()
+        layers = (fused.DecoderLayerC * len(self.layers))()
         for i, (layer, ops) in enumerate(zip(self.layers, self._fused_operands())):
             k_cache, v_cache = cache_tensors[2 * i], cache_tensors[2 * i + 1]
-            layers[i] = kernels.DecoderLayerC(*map(kernels.linear_c, ops), layer.input_norm.data_ptr(),
+            layers[i] = fused.DecoderLayerC(*map(fused.linear_c, ops), layer.input_norm.data_ptr(),
                                               layer.post_norm.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                               layer.window)
         return layers
@@ -378,7 +378,7 @@ class LlamaForCausalLM:
         dims = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                 cfg.intermediate_size)
         order = sorted(self.aux_hidden_layers)  # the kernel copies them out as it reaches them
-        out, aux = kernels.decoder_forward(
+        out, aux = fused.decoder_forward(
             self._fused_layers.get(tuple(t for pair in kv_caches for t in pair)), x.contiguous(), self.norm,
             cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous(), meta.slot_mapping, meta.kernel, dims,
             kv_caches[0][0].shape[1], cfg.rms_norm_eps, self.layers[0].scale if self.layers else 1.0, tuple(order),

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models.gguf_quant import QuantizedWeight, cat_rows
-from specserve.ops import kernels
+from specserve.ops import fused, kernels
 
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
@@ -143,13 +143,13 @@ class MoEMLP:
             self.shared_gate = _dense(weights[_SHARED_EXPERT_GATE.format(p=prefix)]).reshape(1, -1)  # [1, H]
         self.c_ops = c_ops
         self.inter = moe.intermediate_size
-        # Every expert's C operands, for the one-call path (kernels.moe_experts), when each expert is on the C GEMM
+        # Every expert's C operands, for the one-call path (fused.moe_experts), when each expert is on the C GEMM
         operands = [(gate_up.c_operands(), down.c_operands()) for gate_up, down in self.experts] if c_ops else []
         self._c_experts = None
         if operands and all(a is not None and b is not None for a, b in operands):
-            linears = kernels.LinearC * self.num_experts
-            self._c_experts = (linears(*(kernels.linear_c(a) for a, _ in operands)),
-                               linears(*(kernels.linear_c(b) for _, b in operands)))
+            linears = fused.LinearC * self.num_experts
+            self._c_experts = (linears(*(fused.linear_c(a) for a, _ in operands)),
+                               linears(*(fused.linear_c(b) for _, b in operands)))
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [N, H] -> (weights [N, k] in h's dtype, experts [N, k] int64)."""
@@ -164,7 +164,7 @@ class MoEMLP:
         top, experts = self.route(h)
         used, offsets, rows, weights = _grouped_by_expert(top, experts, self.num_experts)
         if self._c_experts is not None and h.dtype == torch.float32:  # the same kernels in one C call
-            out = kernels.moe_experts(h.contiguous(), *self._c_experts, self.inter, used, offsets, rows, weights)
+            out = fused.moe_experts(h.contiguous(), *self._c_experts, self.inter, used, offsets, rows, weights)
         else:
             out = torch.zeros_like(h)
             for i, e in enumerate(used.tolist()):

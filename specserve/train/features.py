@@ -199,6 +199,27 @@ def _progress(folder: str) -> tuple[dict | None, int]:
     return meta, int(meta.get("num_done", meta["num_sequences"] if meta.get("complete") else 0))
 
 
+def _reusable(folder: str, layout: dict, ids: list[int], offsets: np.ndarray) -> tuple[dict | None, int]:
+    """(meta.json of the store in folder or None, how many of its written sequences a run over ids with these
+    offsets and layout (kind, dtype, width) keeps: its written sequences if they are the first ones asked
+    for, else 0)."""
+    old, done = _progress(folder)
+    if old is None or not done:
+        return old, 0
+    old_offsets = np.load(os.path.join(folder, "offsets.npy"))
+    same = all(old[k] == v for k, v in layout.items()) and done <= len(ids) \
+        and old["sequence_ids"][:done] == ids[:done] and old_offsets[:done + 1].tolist() == offsets[:done + 1].tolist()
+    return old, done if same else 0
+
+
+def _token_array(folder: str, name: str, dtype, n: int, kept: int) -> np.ndarray:
+    """A store's per-token array of n entries, its first kept entries read back from folder."""
+    array = np.zeros(n, dtype)
+    if kept:
+        array[:kept] = np.load(os.path.join(folder, f"{name}.npy"))[:kept]
+    return array
+
+
 def _open_rows(path: str, dtype, rows: int, width: int) -> np.memmap:
     """[rows, width] of dtype memory-mapped from path, the file grown (or created) to that size, rows already
     there kept."""
@@ -227,22 +248,13 @@ def write_feature_store(model, sequences: Sequence[Sequence[int]], masks: Sequen
     ids = list(sequence_ids) if sequence_ids is not None else list(range(len(sequences)))
     width = (len(model.aux_hidden_layers) if kind == "aux" else 1) * model.config.hidden_size
     n = int(offsets[-1])
-    old, done = _progress(folder)
-    if old is not None:
-        old_offsets = np.load(os.path.join(folder, "offsets.npy")) if done else offsets[:1]
-        same = (old["kind"], old["dtype"], old["width"]) == (kind, dtype, width) and done <= len(ids) \
-            and old["sequence_ids"][:done] == ids[:done] and old_offsets[:done + 1].tolist() == offsets[:done + 1].tolist()
-        if same and done == len(ids) and old.get("complete"):
-            return FeatureStore(folder)
-        done = done if same else 0
+    old, done = _reusable(folder, dict(kind=kind, dtype=dtype, width=width), ids, offsets)
+    if done == len(ids) and old.get("complete"):
+        return FeatureStore(folder)
     os.makedirs(folder, exist_ok=True)
     np_dtype, _ = _storage(dtype, width)
-    arrays = {}
-    for name, array_dtype in (("tokens", np.int32), ("targets", np.int32), ("mask", bool)):
-        array = np.zeros(n, array_dtype)
-        if done:
-            array[:offsets[done]] = np.load(os.path.join(folder, f"{name}.npy"))[:offsets[done]]
-        arrays[name] = array
+    arrays = {name: _token_array(folder, name, array_dtype, n, int(offsets[done]))
+              for name, array_dtype in (("tokens", np.int32), ("targets", np.int32), ("mask", bool))}
     states = _open_rows(os.path.join(folder, "states.bin"), np_dtype, n, width)
     scales = _open_rows(os.path.join(folder, "scales.bin"), np.float16, n, width // Q8_BLOCK) if dtype == "q8" else None
     base = dict(kind=kind, dtype=dtype, width=width, hidden_size=model.config.hidden_size,

@@ -188,11 +188,7 @@ def train(objective: Objective, data: Sequence[SequenceFeatures], held_out: Sequ
         with open(os.path.join(out_dir, LOG), "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    bar = None
-    if config.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, initial=state.step, unit="step", dynamic_ncols=True, desc="train")
+    bar = _progress_bar(total, state.step) if config.progress else None
     objective.model.train()
     last_checkpoint, start = time.perf_counter(), time.perf_counter() - state.seconds
     try:
@@ -204,26 +200,16 @@ def train(objective: Objective, data: Sequence[SequenceFeatures], held_out: Sequ
                     checkpoint()
                     return state
                 batch = collate([data[i] for i in plan[state.batch]])
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-                    loss = objective.loss(batch)
-                optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-                optimizer.step()
-                schedule.step()
+                state.losses.append(_optimizer_step(objective, batch, optimizer, schedule, params, config))
                 state.step += 1
                 state.batch += 1
-                state.losses.append(loss.item())
                 state.num_tokens += int(batch.valid.sum())
                 state.seconds = time.perf_counter() - start
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{state.losses[-1]:.3f}", epoch=state.epoch + 1)
                 if state.step % config.log_every_steps == 0:
-                    recent = state.losses[-config.log_every_steps:]
-                    write_log({"step": state.step, "epoch": state.epoch + 1, "loss": sum(recent) / len(recent),
-                               "lr": schedule.get_last_lr()[0], "tokens": state.num_tokens,
-                               "seconds": round(state.seconds, 1)})
+                    write_log(_loss_record(state, config.log_every_steps, schedule.get_last_lr()[0]))
                 if config.eval_every_steps and state.step % config.eval_every_steps == 0 and held_out:
                     _eval(objective, held_out, config, state, write_log, log)
                 if time.perf_counter() - last_checkpoint > config.checkpoint_every_s:
@@ -245,6 +231,31 @@ def train(objective: Objective, data: Sequence[SequenceFeatures], held_out: Sequ
         if bar is not None:
             bar.close()
     return state
+
+
+def _loss_record(state: TrainState, steps: int, lr: float) -> dict:
+    """The training log's line for the last `steps` optimizer steps."""
+    recent = state.losses[-steps:]
+    return {"step": state.step, "epoch": state.epoch + 1, "loss": sum(recent) / len(recent), "lr": lr,
+            "tokens": state.num_tokens, "seconds": round(state.seconds, 1)}
+
+
+def _progress_bar(total: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, desc="train")
+
+
+def _optimizer_step(objective: Objective, batch, optimizer, schedule, params, config: LoopConfig) -> float:
+    """One optimizer step on batch (gradients clipped to config.grad_clip); returns its loss."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
+        loss = objective.loss(batch)
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+    optimizer.step()
+    schedule.step()
+    return loss.item()
 
 
 def _optimizer(params, config: LoopConfig, total: int):

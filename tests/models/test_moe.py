@@ -127,7 +127,7 @@ def test_rows_are_grouped_by_expert():
 @requires_c_kernels
 @pytest.mark.parametrize("weights", ["fp32", "Q4_0", "Q4_0 x int8", "Q8_0"])
 def test_one_c_call_over_the_experts_is_bitwise_the_python_loop(weights):
-    """kernels.moe_experts runs every used expert's GEMMs in one call: the same bits as the loop of FastLinear
+    """fused.moe_experts runs every used expert's GEMMs in one call: the same bits as the loop of FastLinear
     calls and index_add_, for 1 to 17 rows, on fp32 weights and on GGUF blocks (with fp32 or int8 activations)."""
     from benchmarks.moe_rows import random_weight
     from specserve.models.gguf_quant import QuantizedWeight

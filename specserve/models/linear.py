@@ -204,7 +204,10 @@ class FastLinear(torch.nn.Module):
         self._screen = None  # int8 copy of the fp32 C-GEMM weight for an exact argmax (enable_exact_argmax)
         self._numpy_max_rows = 0  # rows <= this go to numpy
         self._slow = "torch"  # path for rows above _numpy_max_rows
+        self._pack(w)
 
+    def _pack(self, w: torch.Tensor) -> None:
+        """The representation of the fp32 weight w [out, in] that weight_dtype and the backend ask for."""
         if self.weight_dtype == "bf16":
             if not ONEDNN_BF16_AVAILABLE:
                 raise RuntimeError("weight_dtype=bfloat16 needs oneDNN bf16 support")

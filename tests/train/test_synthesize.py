@@ -229,7 +229,7 @@ def test_requests_about_documents_use_each_passage_once_from_earlier_shards_and_
     earlier shard's finished answer within passage_tokens, each used once; a question kind ends with the text
     the target wrote after the passage; the shards are the same when the run resumes midway."""
     from specserve.train.shards import read_shard
-    from specserve.train.synthesize import DOCUMENT_TASKS, passage_key, passages_of
+    from specserve.train.documents import DOCUMENT_TASKS, passage_key, passages_of
 
     docs = [f"Document {i}: the river {w} flows past {i} mills and {i % 7} bridges before the sea."
             for i, w in enumerate(["slowly", "quietly", "north", "east", "under hills"] * 4)]
@@ -248,7 +248,7 @@ def test_requests_about_documents_use_each_passage_once_from_earlier_shards_and_
     assert all(c.meta["source"] != "document" for c in shards[0])
     used, questions = [], 0
     for i, convs in enumerate(shards[1:], 1):
-        pool = docs + [p for earlier in shards[:i] for p in passages_of(tok, earlier, config)]
+        pool = docs + [p for earlier in shards[:i] for p in passages_of(tok, earlier, config.passage_tokens)]
         documents = [c for c in convs if c.meta["source"] == "document"]
         assert len(documents) == round(40 * 0.25)
         for c in documents:
@@ -265,7 +265,7 @@ def test_requests_about_documents_use_each_passage_once_from_earlier_shards_and_
                 assert first.split("\n\nQuestion: ")[-1].endswith("?")
                 questions += 1
         for c in convs:  # answers as passages: finished ones within the bounds only
-            for text in passages_of(tok, [c], config):
+            for text in passages_of(tok, [c], config.passage_tokens):
                 assert 12 <= len(text) <= 60
     assert len(used) == len(set(used)) and any(p not in docs for p in used) and questions >= 3
     mix = describe(str(tmp_path / "a"))

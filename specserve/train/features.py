@@ -147,14 +147,15 @@ class FeatureStore:
     mask.npy [N] bool, states.bin [N, width] (float16, bfloat16 bits or q8 values; q8 adds scales.bin
     [N, width / 32] float16). store[i] -> SequenceFeatures (float32)."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, num_sequences: int | None = None) -> None:
+        """num_sequences: read only the store's first sequences (a store written for more)."""
         path = os.path.join(folder, "meta.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"{folder}: no feature store here (meta.json missing)")
         with open(path) as f:
             self.meta = json.load(f)
         self.folder = folder
-        self.offsets = np.load(os.path.join(folder, "offsets.npy"))
+        self.offsets = np.load(os.path.join(folder, "offsets.npy"))[:None if num_sequences is None else num_sequences + 1]
         self.tokens = np.load(os.path.join(folder, "tokens.npy"), mmap_mode="r")
         self.targets = np.load(os.path.join(folder, "targets.npy"), mmap_mode="r")
         self.mask = np.load(os.path.join(folder, "mask.npy"), mmap_mode="r")
@@ -186,7 +187,7 @@ class FeatureStore:
                                 torch.from_numpy(np.array(self.mask[a:b])))
 
     def sequence_ids(self) -> list[int]:
-        return list(self.meta.get("sequence_ids", range(len(self))))
+        return list(self.meta.get("sequence_ids", range(len(self))))[:len(self)]
 
 
 def _progress(folder: str) -> tuple[dict | None, int]:
@@ -199,17 +200,21 @@ def _progress(folder: str) -> tuple[dict | None, int]:
     return meta, int(meta.get("num_done", meta["num_sequences"] if meta.get("complete") else 0))
 
 
-def _reusable(folder: str, layout: dict, ids: list[int], offsets: np.ndarray) -> tuple[dict | None, int]:
-    """(meta.json of the store in folder or None, how many of its written sequences a run over ids with these
-    offsets and layout (kind, dtype, width) keeps: its written sequences if they are the first ones asked
-    for, else 0)."""
+def _reusable(folder: str, layout: dict, ids: list[int], offsets: np.ndarray, sequences) -> tuple[dict | None, int]:
+    """(meta.json of the store in folder or None, how many of the sequences asked for (with these ids, offsets
+    and layout: kind, dtype, width) it already holds: its written sequences, or all asked for when it holds
+    more, if they are the first ones asked for, token for token; else 0)."""
     old, done = _progress(folder)
     if old is None or not done:
         return old, 0
+    k = min(done, len(ids))
     old_offsets = np.load(os.path.join(folder, "offsets.npy"))
-    same = all(old[k] == v for k, v in layout.items()) and done <= len(ids) \
-        and old["sequence_ids"][:done] == ids[:done] and old_offsets[:done + 1].tolist() == offsets[:done + 1].tolist()
-    return old, done if same else 0
+    same = all(old[key] == v for key, v in layout.items()) and old["sequence_ids"][:k] == ids[:k] \
+        and old_offsets[:k + 1].tolist() == offsets[:k + 1].tolist()
+    if same:
+        stored = np.load(os.path.join(folder, "tokens.npy"), mmap_mode="r")[:offsets[k]]
+        same = np.array_equal(stored, np.concatenate([np.asarray(s, np.int64) for s in sequences[:k]]))
+    return old, k if same else 0
 
 
 def _token_array(folder: str, name: str, dtype, n: int, kept: int) -> np.ndarray:
@@ -248,9 +253,9 @@ def write_feature_store(model, sequences: Sequence[Sequence[int]], masks: Sequen
     ids = list(sequence_ids) if sequence_ids is not None else list(range(len(sequences)))
     width = (len(model.aux_hidden_layers) if kind == "aux" else 1) * model.config.hidden_size
     n = int(offsets[-1])
-    old, done = _reusable(folder, dict(kind=kind, dtype=dtype, width=width), ids, offsets)
-    if done == len(ids) and old.get("complete"):
-        return FeatureStore(folder)
+    old, done = _reusable(folder, dict(kind=kind, dtype=dtype, width=width), ids, offsets, sequences)
+    if done == len(ids):  # all written already, maybe as the first sequences of a larger store: kept whole
+        return FeatureStore(folder, len(ids))
     os.makedirs(folder, exist_ok=True)
     np_dtype, _ = _storage(dtype, width)
     arrays = {name: _token_array(folder, name, array_dtype, n, int(offsets[done]))

@@ -138,6 +138,11 @@ def test_feature_store_resumes_and_extends_without_recomputing(spec_target, sequ
     for name in ("states.bin", "scales.bin", "tokens.npy", "targets.npy", "mask.npy", "offsets.npy"):
         assert (tmp_path / "fresh" / name).read_bytes() == (tmp_path / "grown" / name).read_bytes(), name
     assert write_feature_store(spec_target, sequences[:6], [PROMPT_LEN] * 6, folder, "aux", "q8") and len(calls) == 2
+    before = {p.name: p.read_bytes() for p in (tmp_path / "grown").iterdir()}
+    first = write_feature_store(spec_target, sequences[:3], [PROMPT_LEN] * 3, folder, "aux", "q8")
+    assert len(calls) == 2 and len(first) == 3 and first.sequence_ids() == [0, 1, 2]  # the larger store's first ones
+    assert torch.equal(first[2].hidden, store[2].hidden) and first.num_tokens == int(store.offsets[3])
+    assert {p.name: p.read_bytes() for p in (tmp_path / "grown").iterdir()} == before  # and it is kept whole
     other = write_feature_store(spec_target, sequences[1:4], [PROMPT_LEN] * 3, folder, "aux", "q8")
     assert len(calls) == 5 and len(other) == 3  # not a prefix: recomputed
     assert fresh.meta["num_loss_tokens"] == store.meta["num_loss_tokens"]

@@ -249,7 +249,8 @@ class SpeculativeConfig:
 
         target_bytes_per_weight: what the target's projections read per weight; auto's default int8
         self-draft is left out where that is not more than SELF_DRAFT_MIN_TARGET_BYTES (a target kept in
-        4- or 8-bit GGUF blocks: an int8 copy of it would cost as much a step as the target itself)."""
+        4- or 8-bit GGUF blocks: an int8 copy of it would cost as much a step as the target itself), and the
+        shipped head's weights default to "q4" there (half the cost of a draft token)."""
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = set(cls.__dataclass_fields__)
@@ -259,13 +260,15 @@ class SpeculativeConfig:
                              f"(allowed: {', '.join(sorted(known))})")
         if "method" not in d:
             raise ValueError("speculative_config.method is required (one of " + ", ".join(SPEC_METHODS) + ")")
+        packed = target_bytes_per_weight is not None and target_bytes_per_weight <= SELF_DRAFT_MIN_TARGET_BYTES
         if not d.get("model") and (d["method"] in _MODEL_METHODS or (
                 d["method"] == "auto" and d.get("drafter") in _MODEL_METHODS and d["drafter"] != "draft_model")):
             from specserve.heads import bundled_head
 
             d = {**d, "model": bundled_head(d["drafter"] if d["method"] == "auto" else d["method"], target_model)}
-        if (d["method"] == "auto" and not d.get("model") and d.get("drafter") is None
-                and target_bytes_per_weight is not None and target_bytes_per_weight <= SELF_DRAFT_MIN_TARGET_BYTES):
+            if d["model"] and packed:  # beside 4- or 8-bit blocks the shipped head drafts from 4-bit weights too
+                d = {"quantization": "q4", **d}
+        if d["method"] == "auto" and not d.get("model") and d.get("drafter") is None and packed:
             logger.info("speculative_config: auto without a model drafter (suffix and ngram): the target reads "
                         "%.2f bytes a weight, no more than an int8 self-draft would", target_bytes_per_weight)
             d = {**d, "drafter": "none"}

@@ -91,3 +91,11 @@ def test_draft_tree_settings_are_checked():
     ]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig(**bad)
+
+
+@pytest.mark.parametrize("method", [{"method": "eagle3"}, {"method": "auto", "drafter": "eagle3"}])
+def test_the_shipped_head_drafts_from_4_bit_weights_beside_a_target_in_blocks(method):
+    assert SpeculativeConfig.from_dict(dict(method), None, 0.6).quantization == "q4"
+    assert SpeculativeConfig.from_dict(dict(method), None, 4.0).quantization is None  # fp32 target: fp32 head
+    assert SpeculativeConfig.from_dict({**method, "quantization": "int8"}, None, 0.6).quantization == "int8"
+    assert SpeculativeConfig.from_dict({**method, "model": "my/head"}, None, 0.6).quantization is None

@@ -1,4 +1,4 @@
-"""Command line: `specserve generate | chat | bench | serve | train-drafter | synthesize-data`."""
+"""Command line: `specserve generate | chat | bench | serve | kernels | train-drafter | synthesize-data`."""
 from __future__ import annotations
 
 import argparse
@@ -109,6 +109,41 @@ def _stream(engine, request_id: str, prompt, params) -> str:
     return printed
 
 
+def cmd_kernels(args) -> int:
+    """The int8 kernels' paths on this CPU and the model's routes by row count, with the timings behind them
+    (measured now if this model, kernel build, CPU and thread count have none cached)."""
+    import torch
+
+    from specserve.llm import LLM
+    from specserve.models.linear import int8_workloads
+    from specserve.ops import int8_routes, kernels
+
+    if kernels.load_kernel() is None:
+        print(f"the C kernels are unavailable: {kernels._loaded.get('error')}", file=sys.stderr)
+        return 1
+    print(f"CPU: {kernels.cpu_model()}, {torch.get_num_threads()} threads; int8 paths it runs: "
+          f"{', '.join(kernels.int8_paths())}\nkernels: {kernels.built_library()}")
+    llm = LLM(**engine_kwargs(args))
+    workloads = int8_workloads(llm.llm_engine.runner.model)
+    tables = int8_routes.ensure_routes(workloads)
+    if not tables:
+        forced = kernels.forced_int8_path()
+        print(f"every call on {forced} ({kernels.INT8_PATH_ENV})" if forced else "the model makes no int8 calls")
+        return 0
+    print(f"routes ({int8_routes.cache_file()}):")
+    entry = int8_routes.cached_entries().get(int8_routes.workload_key(workloads), {})
+    for kernel, table in tables.items():
+        print("  " + table.describe())
+        seconds = entry.get("seconds", {}).get(kernel, {})
+        rows = sorted({int(r) for per_rows in seconds.values() for r in per_rows})
+        if rows:
+            print("    ms per step's calls  " + " ".join(f"{r:>7}" for r in rows))
+            for path, per_rows in seconds.items():
+                cells = (f"{per_rows[str(r)] * 1e3:7.2f}" if str(r) in per_rows else "      -" for r in rows)
+                print(f"    {path:<20} " + " ".join(cells))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="Speculative-decoding LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+    kernels = sub.add_parser("kernels", help="the int8 kernels' paths here and the model's routes by row count")
+    add_engine_args(kernels)
+    kernels.set_defaults(func=cmd_kernels)
     from specserve.bench import add_bench_parser
 
     add_bench_parser(sub)

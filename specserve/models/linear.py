@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from specserve.models import openblas
 from specserve.models.gguf_quant import INT8_ACTIVATION_FORMATS, QuantizedWeight
 from specserve.ops import kernels
+from specserve.ops.int8_routes import Int8Call
 
 logger = logging.getLogger(__name__)
 
@@ -416,3 +417,23 @@ def _int8_rows_linear(x: torch.Tensor, q: torch.Tensor, w_scales: torch.Tensor,
     return y if bias is None else y.add_(bias)
 
 
+
+
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a decoder layer's linear layers, as every model names them
+
+
+def int8_workloads(model) -> dict[str, list[Int8Call]]:
+    """The model's calls of the int8 kernels, in the order a step makes them: its projections in 4-bit blocks
+    with int8 activations ("gemm") and its LM head's argmax screen ("screen"); what int8_routes times."""
+    gemm = []
+    for layer in getattr(model, "layers", ()):
+        for name in PROJECTIONS:
+            linear = getattr(getattr(layer, name, None), "local", getattr(layer, name, None))
+            wq = getattr(linear, "_wq", None)
+            if isinstance(linear, FastLinear) and wq is not None and wq.format in INT8_ACTIVATION_FORMATS:
+                gemm.append(Int8Call(linear.in_features, (wq.format, linear.out_features), linear))
+    head = getattr(model, "lm_head", None)
+    screen = []
+    if isinstance(head, FastLinear) and head._screen is not None:
+        screen.append(Int8Call(head.in_features, ("screen", head.out_features), head.argmax))
+    return {"gemm": gemm, "screen": screen}

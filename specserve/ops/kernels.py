@@ -3,9 +3,9 @@
 They are compiled on first use with the machine's C compiler (`cc -O3 -march=native -fopenmp`) into one
 library under `~/.cache/specserve/kernels/` (or `$SPECSERVE_CACHE_DIR/kernels`), keyed by the sources,
 the flags and the CPU, so later starts load it in milliseconds; calls go through ctypes. The int8 kernels
-hold one compiled copy per instruction set (INT8_PATHS) and run the fastest the CPU has. Their OpenMP
-regions resolve to the libgomp that PyTorch has already loaded, so they run on torch's thread pool and
-follow `torch.set_num_threads`.
+hold one compiled copy per instruction set (INT8_PATHS) and route each call by its row count to the
+fastest for it (specserve.ops.int8_routes). Their OpenMP regions resolve to the libgomp that PyTorch has
+already loaded, so they run on torch's thread pool and follow `torch.set_num_threads`.
 
 `SPECSERVE_KERNELS`: `auto` (default: the C kernels when they build, else PyTorch ops), `c` (fail if they
 do not build), `torch` (never use them). Only fp32 tensors take the C path.
@@ -69,7 +69,9 @@ def load_kernel():
     with _lock:
         if "lib" not in _loaded:
             try:
-                lib = _bind(ctypes.CDLL(str(_build())))
+                built = _build()
+                lib = _bind(ctypes.CDLL(str(built)))
+                _loaded["path"] = built
                 _choose_int8_path(lib)
                 _loaded["lib"] = lib
             except (OSError, subprocess.SubprocessError, RuntimeError) as e:
@@ -133,6 +135,9 @@ def _bind(lib):
         "decoder_profile_f32": ([i64, ptr], None),
         "q4_i8_supported": ([i64], ctypes.c_int),
         "q4_i8_select": ([i64], ctypes.c_int),
+        "int8_route_set": ([i64, ptr, i64], ctypes.c_int),
+        "int8_route_get": ([i64, i64], ctypes.c_int),
+        "int8_route_calls": ([i64, i64], i64),
         "q4_i8_amx_check_in_child": ([i64], ctypes.c_int),
         "probe_read": ([ptr, i64], ctypes.c_uint64),
         "probe_dot_products": ([i64], i64),
@@ -152,41 +157,106 @@ def _bind(lib):
 
 
 # Instruction-set paths of the int8 kernels (the 4-bit GEMM, csrc/gemm_q4_i8.c, and the LM head's screen,
-# csrc/greedy.c), slowest first: all give the same bits; the fastest the CPU runs is used unless
-# SPECSERVE_INT8_PATH names another. AMX_EMULATED is the
-# AMX path's code with the tile instructions written in C, for tests on CPUs without AMX: never chosen by itself.
+# csrc/greedy.c), slowest first: all give the same bits. Each call takes the path its kernel's route gives its
+# row count: measured routes once a model has set them (specserve.ops.int8_routes), before that the fastest
+# vector path the CPU runs; SPECSERVE_INT8_PATH forces one path for every call. AMX_EMULATED is the AMX path's
+# code with the tile instructions written in C, for tests on CPUs without AMX: never chosen by itself.
 INT8_PATHS = ("portable", "avx2", "avx512_vnni", "amx")
 AMX_EMULATED = "amx_emulated"
+ALL_INT8_PATHS = (*INT8_PATHS, AMX_EMULATED)
+INT8_KERNELS = ("gemm", "screen")  # the C enum's order (csrc/specserve_kernels.h)
+INT8_ROUTE_ROWS = 1024  # row counts routed one by one; larger calls take the last one's path
 INT8_PATH_ENV = "SPECSERVE_INT8_PATH"
+_routes: dict[str, list[str]] = {}  # per kernel, the measured paths of row counts 1..n (set_int8_routes)
 
 
 def _choose_int8_path(lib) -> None:
+    asked = forced_int8_path(lib)
+    chosen = lib.q4_i8_select(-1 if asked is None else INT8_PATHS.index(asked))
     runs = [name for i, name in enumerate(INT8_PATHS) if lib.q4_i8_supported(i)]
+    how = "forced by " + INT8_PATH_ENV if asked else "until a model's routes are measured"
+    logger.info("int8 kernels: the %s path, %s (this CPU runs %s)", INT8_PATHS[chosen], how, ", ".join(runs))
+
+
+def forced_int8_path(lib=None) -> str | None:
+    """The path SPECSERVE_INT8_PATH forces for every call, or None ("auto", unset, or a path this CPU does not
+    run: a warning says so). Raises ValueError for a name that is no path."""
     asked = os.environ.get(INT8_PATH_ENV, "").strip().lower() or "auto"
     if asked not in ("auto", *INT8_PATHS):
         raise ValueError(f"{INT8_PATH_ENV} must be one of {('auto', *INT8_PATHS)}, got {asked!r}")
-    if asked != "auto" and asked not in runs:
-        logger.warning("%s=%s: this CPU does not run it (it runs %s); using the fastest", INT8_PATH_ENV, asked, runs)
-        asked = "auto"
-    chosen = lib.q4_i8_select(-1 if asked == "auto" else INT8_PATHS.index(asked))
-    logger.info("4-bit GEMM with int8 activations: the %s path (this CPU runs %s)", INT8_PATHS[chosen], ", ".join(runs))
+    if asked == "auto":
+        return None
+    lib = lib or _lib()
+    runs = [name for i, name in enumerate(INT8_PATHS) if lib.q4_i8_supported(i)]
+    if asked not in runs:
+        logger.warning("%s=%s: this CPU does not run it (it runs %s); choosing by measurement", INT8_PATH_ENV,
+                       asked, runs)
+        return None
+    return asked
 
 
 def int8_paths() -> list[str]:
-    """The 4-bit GEMM's instruction-set paths this CPU runs, slowest first."""
+    """The int8 kernels' instruction-set paths this CPU runs, slowest first."""
     lib = _lib()
     return [name for i, name in enumerate(INT8_PATHS) if lib.q4_i8_supported(i)]
 
 
 def set_int8_path(name: str | None) -> str:
-    """Use the 4-bit GEMM's path `name` (one of INT8_PATHS, or AMX_EMULATED; None: the fastest this CPU runs)
-    from now on, in this process; returns the path in use. Raises ValueError for a path the CPU does not run."""
-    names = (*INT8_PATHS, AMX_EMULATED)
-    index = -1 if name is None else names.index(name) if name in names else len(names)
-    chosen = _lib().q4_i8_select(index)
+    """Every call of the int8 kernels on path `name` (one of ALL_INT8_PATHS) from now on, in this process, or
+    with None the routes measured for the loaded model (set_int8_routes), else the fastest vector path; returns
+    `name`, or the one-row GEMM's path for None. Raises ValueError for a path the CPU does not run."""
+    lib = _lib()
+    if name is None:
+        lib.q4_i8_select(-1)
+        for kernel, paths in _routes.items():
+            _apply_routes(lib, kernel, paths)
+        return int8_route(INT8_KERNELS[0], 1)
+    chosen = lib.q4_i8_select(ALL_INT8_PATHS.index(name)) if name in ALL_INT8_PATHS else -1
     if chosen < 0:
         raise ValueError(f"int8 path {name!r}: this CPU runs {int8_paths()}")
-    return names[chosen]
+    return ALL_INT8_PATHS[chosen]
+
+
+def set_int8_routes(kernel: str, paths: list[str], remember: bool = True) -> None:
+    """`kernel`'s calls of r rows on paths[r - 1] (r <= len(paths); larger calls on paths[-1]); with remember,
+    these are the routes set_int8_path(None) returns to. Raises ValueError for an unknown kernel or path, or a
+    path the CPU does not run."""
+    if kernel not in INT8_KERNELS:
+        raise ValueError(f"int8 kernel {kernel!r}: one of {INT8_KERNELS}")
+    if not 1 <= len(paths) <= INT8_ROUTE_ROWS or any(p not in ALL_INT8_PATHS for p in paths):
+        raise ValueError(f"int8 routes: 1 to {INT8_ROUTE_ROWS} paths from {ALL_INT8_PATHS}, got {paths[:8]}...")
+    _apply_routes(_lib(), kernel, paths)
+    if remember:
+        _routes[kernel] = list(paths)
+
+
+def _apply_routes(lib, kernel: str, paths: list[str]) -> None:
+    table = (ctypes.c_int64 * len(paths))(*(ALL_INT8_PATHS.index(p) for p in paths))
+    if lib.int8_route_set(INT8_KERNELS.index(kernel), table, len(paths)) != 0:
+        raise ValueError(f"int8 routes for {kernel}: a path this CPU does not run (it runs {int8_paths()})")
+
+
+def int8_route(kernel: str, rows: int) -> str:
+    """The path `kernel`'s calls of `rows` rows take now."""
+    return ALL_INT8_PATHS[_lib().int8_route_get(INT8_KERNELS.index(kernel), rows)]
+
+
+def int8_route_calls(kernel: str) -> dict[str, int]:
+    """Per path, the calls of `kernel` it took since the library loaded."""
+    lib = _lib()
+    return {p: lib.int8_route_calls(INT8_KERNELS.index(kernel), i) for i, p in enumerate(ALL_INT8_PATHS)}
+
+
+def built_library() -> Path:
+    """The loaded library's file (its name carries the build's key: sources, flags, compiler and CPU)."""
+    _lib()
+    return _loaded["path"]
+
+
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (the machine type where it gives none)."""
+    line = _cpu_model()
+    return line.split(":", 1)[1].strip() if ":" in line else line
 
 
 def _lib():

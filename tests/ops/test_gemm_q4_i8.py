@@ -189,7 +189,10 @@ def test_a_path_the_cpu_lacks_is_refused(restore_path):
     for path in [*missing, "sse9"]:
         with pytest.raises(ValueError, match="this CPU runs"):
             kernels.set_int8_path(path)
-    assert kernels.set_int8_path(None) == kernels.int8_paths()[-1]  # the fastest by default, never emulated
+    default = kernels.set_int8_path(None)  # the measured routes, or before any the fastest vector path
+    assert default in kernels.int8_paths()
+    if not kernels._routes:
+        assert default == [p for p in kernels.int8_paths() if p != "amx"][-1]
 
 
 def test_the_path_can_be_chosen_by_environment():

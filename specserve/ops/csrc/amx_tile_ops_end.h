@@ -5,4 +5,3 @@
 #undef TILE_ZERO
 #undef TILE_DPBSUD
 #undef TILE_DPBUSD
-#undef TILE_RELEASE

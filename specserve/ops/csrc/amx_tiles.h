@@ -34,6 +34,11 @@ static inline void emu_tile_config(const tile_config_t *cfg) {
     memset(emu.data, 0, sizeof emu.data);
 }
 
+/* emu_tile_config unless `cfg` is the configuration already loaded (what TILE_CONFIG does on real tiles) */
+static inline void emu_tile_config_kept(const tile_config_t *cfg) {
+    if (memcmp(&emu.cfg, cfg, sizeof *cfg) != 0) emu_tile_config(cfg);
+}
+
 static inline void emu_tile_load(int t, const void *p, int64_t stride) {
     memset(emu.data[t], 0, sizeof emu.data[t]);
     for (int r = 0; r < emu.cfg.rows[t]; r++) memcpy(emu.data[t][r], (const uint8_t *)p + r * stride, emu.cfg.colsb[t]);
@@ -60,7 +65,5 @@ static inline void emu_tile_dp(int c, int a, int b, int a_signed, int b_signed) 
             memcpy(&emu.data[c][m][4 * n], &sum, 4);
         }
 }
-
-static inline void emu_tile_release(void) {}
 
 #endif

@@ -12,12 +12,14 @@
  * the dequantization, so a one-token step is bound by the blocks' bytes and extra verified rows are cheap.
  *
  * Instruction-set paths: the kernel is compiled once per path (gemm_q4_i8_path.h) with function-level target
- * attributes, so every x86 build holds all of them whatever the build host has, and one is chosen at run time
- * from the CPU's flags (q4_i8_select): AVX512-VNNI, AVX2 (vpmaddubsw + vpmaddwd: the same integer sums) and
- * portable C, and AMX tiles (gemm_q4_i8_amx.h) where the CPU has them and Linux grants the tile state. The
- * integer sums are exact on each and the epilogue's multiply-adds are explicit fused ones, so every path gives
- * the same bits. The AMX path is taken only after a forked child has run it on a fixed problem and given the
- * VNNI path's bits (a fault or a wrong result there costs the child, not the process).
+ * attributes, so every x86 build holds all of them whatever the build host has: AVX512-VNNI, AVX2 (vpmaddubsw
+ * + vpmaddwd: the same integer sums) and portable C, and AMX tiles (gemm_q4_i8_amx.h) where the CPU has them and
+ * Linux grants the tile state. The integer sums are exact on each and the epilogue's multiply-adds are explicit
+ * fused ones, so every path gives the same bits, and each call may take whichever is fastest for its row count:
+ * a per-kernel table of row count -> path (int8_route_set), measured on the loaded model's own calls
+ * (specserve/ops/int8_routes.py); until one is set, every call takes the fastest vector path the CPU runs. AMX
+ * runs only after a forked child has run it on a fixed problem and given the VNNI path's bits (a fault or a
+ * wrong result there costs the child, not the process).
  *
  * WEIGHT_Q4_Q8 (gguf_compute="q8") is the same layout multiplied by one digit (lo = 0, llama.cpp's Q8_0
  * activations): half the dot products, the same code otherwise.
@@ -235,6 +237,8 @@ TARGET_VNNI static inline ALWAYS_INLINE int32_t quantize_group_vnni(const float 
 
 /* ---- AMX ---- */
 #define AMX_ROWS 16 /* activation rows per A tile */
+/* The quantized rows the AMX path reads for M rows: M below one tile, else whole tiles of AMX_ROWS */
+static inline int64_t amx_rows(int64_t M) { return M < AMX_ROWS ? M : (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS; }
 /* Tile registers (literal numbers: GCC's tile intrinsics paste them into the instruction) */
 #define TILE_C0 0
 #define TILE_C1 1
@@ -368,21 +372,60 @@ int q4_i8_supported(int64_t path) {
     }
 }
 
-static int q4_path = -1;
+/* Per kernel, the path of each row count 1..INT8_ROUTE_ROWS (-1 until set), and the calls each path took. */
+static signed char routes[INT8_KERNELS][INT8_ROUTE_ROWS];
+static int routes_ready;
+static int64_t route_calls[INT8_KERNELS][INT8_PATHS];
 
-/* Use `path` from now on (-1: the fastest this CPU runs); returns the path in use, or -1 (and nothing
- * changes) when the CPU cannot run `path`. */
-int q4_i8_select(int64_t path) {
-    if (path < 0) {
-        for (path = INT8_AMX; !q4_i8_supported(path); path--) {}
-    } else if (path >= INT8_PATHS || !q4_i8_supported(path)) {
-        return -1;
-    }
-    q4_path = (int)path;
-    return q4_path;
+/* The fastest vector path this CPU runs: what every row count takes until measured routes are set. AMX is
+ * not among them: its tiles pay only from some row count on, which only a measurement finds. */
+static int vector_default(void) {
+    int path = INT8_VNNI;
+    while (!q4_i8_supported(path)) path--;
+    return path;
 }
 
-int int8_path(void) { return q4_path >= 0 ? q4_path : q4_i8_select(-1); }
+/* Route every row count of every kernel to `path` (-1: vector_default); returns the path, or -1 (and nothing
+ * changes) when the CPU cannot run `path`. */
+int q4_i8_select(int64_t path) {
+    if (path < 0) path = vector_default();
+    else if (path >= INT8_PATHS || !q4_i8_supported(path)) return -1;
+    memset(routes, (int)path, sizeof routes);
+    routes_ready = 1;
+    return (int)path;
+}
+
+/* Route `kernel`'s calls of r rows (1 <= r <= n) to paths[r - 1] and larger ones to paths[n - 1]. Returns 0,
+ * or -1 (and nothing changes) for an unknown kernel, n outside 1..INT8_ROUTE_ROWS or a path the CPU cannot run. */
+int int8_route_set(int64_t kernel, const int64_t *paths, int64_t n) {
+    if (kernel < 0 || kernel >= INT8_KERNELS || n < 1 || n > INT8_ROUTE_ROWS) return -1;
+    for (int64_t r = 0; r < n; r++)
+        if (paths[r] < 0 || paths[r] >= INT8_PATHS || !q4_i8_supported(paths[r])) return -1;
+    if (!routes_ready) q4_i8_select(-1);
+    for (int64_t r = 0; r < INT8_ROUTE_ROWS; r++) routes[kernel][r] = (signed char)paths[r < n ? r : n - 1];
+    return 0;
+}
+
+int int8_path_for(int kernel, int64_t rows) {
+    if (!routes_ready) q4_i8_select(-1);
+    const int64_t r = rows < 1 ? 1 : rows > INT8_ROUTE_ROWS ? INT8_ROUTE_ROWS : rows;
+    const int path = routes[kernel][r - 1];
+    __atomic_fetch_add(&route_calls[kernel][path], 1, __ATOMIC_RELAXED);
+    return path;
+}
+
+/* The path `kernel`'s calls of `rows` rows take now (not counted), or -1 for an unknown kernel. */
+int int8_route_get(int64_t kernel, int64_t rows) {
+    if (kernel < 0 || kernel >= INT8_KERNELS) return -1;
+    if (!routes_ready) q4_i8_select(-1);
+    return routes[kernel][(rows < 1 ? 1 : rows > INT8_ROUTE_ROWS ? INT8_ROUTE_ROWS : rows) - 1];
+}
+
+/* How many calls of `kernel` took `path` since the library loaded (tests check the routing with it). */
+int64_t int8_route_calls(int64_t kernel, int64_t path) {
+    if (kernel < 0 || kernel >= INT8_KERNELS || path < 0 || path >= INT8_PATHS) return -1;
+    return __atomic_load_n(&route_calls[kernel][path], __ATOMIC_RELAXED);
+}
 
 /* x [M, K] -> per row and group of 32 the int8 digits, q[2mK .. 2mK + K) (hi) and q[2mK + K .. 2mK + 2K) (lo,
  * zeros with one digit), the unit u = d / 256 [M, K / 32] and u * sum(256 hi + lo), with `path`'s
@@ -403,12 +446,12 @@ static void quantize_rows(int path, const float *x, int64_t M, int64_t K, int8_t
 int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
                int64_t digits) {
     if (digits != 1 && digits != 2) return 1;
-    const int path = int8_path();
+    const int path = int8_path_for(INT8_GEMM, M);
     const int64_t ng = K / QGROUP;
 #if defined(Q4_X86)
-    /* AMX: the digits padded with zero rows to whole tiles, and each thread's fp32 accumulators */
+    /* AMX: the digits padded with zero rows to whole tiles (from 16 rows on), and each thread's accumulators */
     const int amx = path == INT8_AMX || path == INT8_AMX_EMULATED;
-    const int64_t rows = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;
+    const int64_t rows = amx ? amx_rows(M) : M;
     const int64_t acc_floats = amx ? omp_get_max_threads() * rows * BLOCK : 0;
 #else
     const int64_t rows = M, acc_floats = 0;

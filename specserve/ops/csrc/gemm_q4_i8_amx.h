@@ -7,29 +7,30 @@
  * 4 k's x 16 columns x 4 bytes, the packed quads' own order: one for columns 0-15, one for 16-31); the
  * activations' hi and lo digits of 16 rows are two A tiles (16 rows x 32 bytes, read in place from the
  * quantized rows); four TDPBSUD (signed x unsigned bytes, exact int32 sums) give each row's sums of q_w * hi
- * and q_w * lo for the 32 columns, which take the VNNI path's epilogue, operation for operation. Row chunks
- * are always 16 rows (the quantized rows are padded with zeros), so the tile configuration is loaded once
- * per thread and call. */
+ * and q_w * lo for the 32 columns, which take the VNNI path's epilogue, operation for operation. A call of
+ * fewer than 16 rows has tiles of its rows (nothing stored or epilogued for rows it lacks); larger calls go
+ * in chunks of 16 rows, the quantized rows padded with zeros to whole chunks. The configuration stays loaded
+ * from call to call of the same chunk size (TILE_CONFIG). */
 #define Q4A_JOIN(a, b) a##_##b
 #define Q4A_NAME(a, b) Q4A_JOIN(a, b)
 
 #include "amx_tile_ops.h"
 
-/* y [M, N] from the quantized rows (xq: quantize_rows with `digits`, padded with zero rows to a multiple of
- * AMX_ROWS), the packed blocks and acc_all (per thread, AMX_ROWS-padded M rows x 32 fp32 accumulators). */
+/* y [M, N] from the quantized rows (xq: quantize_rows with `digits`, padded with zero rows to amx_rows(M)),
+ * the packed blocks and acc_all (per thread, amx_rows(M) rows x 32 fp32 accumulators). */
 Q4A_TARGET static void Q4A_NAME(gemm_blocks, Q4A_PATH)(const int8_t *xq, const float *xu, const float *xs,
                                                        const uint8_t *packed, const float *bias, float *y,
                                                        int64_t M, int64_t K, int64_t N, float *acc_all,
                                                        int digits) {
     const int64_t ng = K / QGROUP, nblocks = (N + BLOCK - 1) / BLOCK, block_bytes = ng * Q4_RECORD;
-    const int64_t padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    const int64_t padded = amx_rows(M), chunk = M < AMX_ROWS ? M : AMX_ROWS;
 #pragma omp parallel if (M * K * N >= (1 << 18))
     {
         tile_config_t cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette_id = 1;
-        for (int t = TILE_C0; t <= TILE_C3; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;
-        cfg.rows[TILE_AHI] = cfg.rows[TILE_ALO] = AMX_ROWS;
+        for (int t = TILE_C0; t <= TILE_C3; t++) cfg.rows[t] = (uint8_t)chunk, cfg.colsb[t] = 64;
+        cfg.rows[TILE_AHI] = cfg.rows[TILE_ALO] = (uint8_t)chunk;
         cfg.colsb[TILE_AHI] = cfg.colsb[TILE_ALO] = QGROUP;
         cfg.rows[TILE_B0] = cfg.rows[TILE_B1] = QGROUP / 4;
         cfg.colsb[TILE_B0] = cfg.colsb[TILE_B1] = 64;
@@ -60,7 +61,7 @@ Q4A_TARGET static void Q4A_NAME(gemm_blocks, Q4A_PATH)(const int8_t *xq, const f
                 }
                 TILE_LOAD(TILE_B0, wbuf[0], 64);
                 TILE_LOAD(TILE_B1, wbuf[1], 64);
-                for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+                for (int64_t m0 = 0; m0 < M; m0 += chunk) {
                     const int8_t *x = xq + 2 * m0 * K + g * QGROUP;
                     TILE_LOAD(TILE_AHI, x, 2 * K);
                     TILE_LOAD(TILE_ALO, x + K, 2 * K);
@@ -78,7 +79,7 @@ Q4A_TARGET static void Q4A_NAME(gemm_blocks, Q4A_PATH)(const int8_t *xq, const f
                     TILE_STORE(TILE_C1, cbuf[1], 64);
                     TILE_STORE(TILE_C2, cbuf[2], 64);
                     TILE_STORE(TILE_C3, cbuf[3], 64);
-                    const int64_t rows = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
+                    const int64_t rows = M - m0 < chunk ? M - m0 : chunk;
                     for (int64_t r = 0; r < rows; r++) {
                         const int64_t m = m0 + r;
                         i32v hi0, lo0, hi1, lo1;
@@ -97,7 +98,6 @@ Q4A_TARGET static void Q4A_NAME(gemm_blocks, Q4A_PATH)(const int8_t *xq, const f
             for (int64_t m = 0; m < M; m++)
                 store_rows(acc + m, y + m * N + col, N, ncols, NULL, bias ? bias + col : NULL, 1);
         }
-        TILE_RELEASE();
     }
 }
 

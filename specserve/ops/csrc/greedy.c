@@ -89,7 +89,8 @@ static double quantize_row(const float *x, int64_t K, int64_t K4, uint8_t *xu, d
 
 /* dots[r][n] = sum_k xu[r][k] * q[n][k] for the `rows` activation rows of one block of 16 columns
  * (w: the block, [K4][16][4]). Integer sums: exact, whichever path computes them. One function per
- * instruction-set path (the int8 kernels' path, int8_path()), each built with its target attribute. */
+ * instruction-set path (the screen's route for the call's rows, int8_path_for), each built with its target
+ * attribute. */
 static inline __attribute__((always_inline)) void screen_block_portable(const uint8_t *xu, int64_t K4, const int8_t *w,
                                                                         int32_t *dots, int64_t ldd, const int rows) {
     for (int r = 0; r < rows; r++) {
@@ -188,7 +189,7 @@ SCREEN_PASS(avx2, TARGET_AVX2)
  * row; rows up to R rounded up to 16 readable, zeros past R). Rows go through the weights in as few passes
  * as SCREEN_ROWS allows, the passes equal in size; on AMX, in tiles of 16 rows. */
 static void screen_dots(const uint8_t *xu, int64_t R, int64_t K4, const int8_t *packed, int64_t Np, int32_t *dots) {
-    const int path = int8_path();
+    const int path = int8_path_for(INT8_SCREEN, R / 2); /* R: two terms per row of x */
 #if defined(GREEDY_X86)
 #if INT8_AMX_BUILT
     if (path == INT8_AMX) return screen_dots_amx(xu, R, K4, packed, Np, dots);

@@ -38,9 +38,12 @@ float half_to_float(uint16_t h);
 /* Instruction-set paths of the int8 kernels (gemm_q4_i8.c, the greedy screen in greedy.c): every path gives
  * the same bits. INT8_AMX_EMULATED runs the AMX path's code with its tiles written in C, for tests. */
 enum { INT8_PORTABLE, INT8_AVX2, INT8_VNNI, INT8_AMX, INT8_AMX_EMULATED, INT8_PATHS };
-int int8_path(void); /* the path in use (the fastest this CPU runs unless q4_i8_select chose another) */
-int q4_i8_select(int64_t path);
-int q4_i8_supported(int64_t path); /* whether this CPU (and OS) runs `path` */
+/* The int8 kernels, each routed by its calls' row counts to a path (int8_route_set, from measurements). */
+enum { INT8_GEMM, INT8_SCREEN, INT8_KERNELS };
+#define INT8_ROUTE_ROWS 1024 /* row counts routed one by one; larger calls take the last one's path */
+int int8_path_for(int kernel, int64_t rows); /* the path a call of `kernel` with `rows` rows takes (counted) */
+int q4_i8_select(int64_t path);              /* every row count of every kernel on `path` */
+int q4_i8_supported(int64_t path);           /* whether this CPU (and OS) runs `path` */
 int screen_amx_self_check(int emulated); /* greedy.c: its AMX screen against its VNNI screen, 1 when equal */
 
 void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t *out);

@@ -168,6 +168,7 @@ INT8_KERNELS = ("gemm", "screen")  # the C enum's order (csrc/specserve_kernels.
 INT8_ROUTE_ROWS = 1024  # row counts routed one by one; larger calls take the last one's path
 INT8_PATH_ENV = "SPECSERVE_INT8_PATH"
 _routes: dict[str, list[str]] = {}  # per kernel, the measured paths of row counts 1..n (set_int8_routes)
+_forced: list[str] = []  # the path set_int8_path forces in this process, if any
 
 
 def _choose_int8_path(lib) -> None:
@@ -179,8 +180,10 @@ def _choose_int8_path(lib) -> None:
 
 
 def forced_int8_path(lib=None) -> str | None:
-    """The path SPECSERVE_INT8_PATH forces for every call, or None ("auto", unset, or a path this CPU does not
-    run: a warning says so). Raises ValueError for a name that is no path."""
+    """The path set_int8_path or else SPECSERVE_INT8_PATH forces for every call, or None ("auto", unset, or a
+    path this CPU does not run: a warning says so). Raises ValueError for a name that is no path."""
+    if _forced:
+        return _forced[0]
     asked = os.environ.get(INT8_PATH_ENV, "").strip().lower() or "auto"
     if asked not in ("auto", *INT8_PATHS):
         raise ValueError(f"{INT8_PATH_ENV} must be one of {('auto', *INT8_PATHS)}, got {asked!r}")
@@ -202,10 +205,12 @@ def int8_paths() -> list[str]:
 
 
 def set_int8_path(name: str | None) -> str:
-    """Every call of the int8 kernels on path `name` (one of ALL_INT8_PATHS) from now on, in this process, or
-    with None the routes measured for the loaded model (set_int8_routes), else the fastest vector path; returns
+    """Every call of the int8 kernels on path `name` (one of ALL_INT8_PATHS) from now on, in this process (a
+    model loaded meanwhile keeps it), or with None the routes measured for the loaded model (set_int8_routes),
+    else the fastest vector path; returns
     `name`, or the one-row GEMM's path for None. Raises ValueError for a path the CPU does not run."""
     lib = _lib()
+    _forced.clear()
     if name is None:
         lib.q4_i8_select(-1)
         for kernel, paths in _routes.items():
@@ -214,12 +219,13 @@ def set_int8_path(name: str | None) -> str:
     chosen = lib.q4_i8_select(ALL_INT8_PATHS.index(name)) if name in ALL_INT8_PATHS else -1
     if chosen < 0:
         raise ValueError(f"int8 path {name!r}: this CPU runs {int8_paths()}")
+    _forced.append(name)
     return ALL_INT8_PATHS[chosen]
 
 
 def set_int8_routes(kernel: str, paths: list[str], remember: bool = True) -> None:
     """`kernel`'s calls of r rows on paths[r - 1] (r <= len(paths); larger calls on paths[-1]); with remember,
-    these are the routes set_int8_path(None) returns to. Raises ValueError for an unknown kernel or path, or a
+    these are the routes set_int8_path(None) returns to, and no path is forced any more. Raises ValueError for an unknown kernel or path, or a
     path the CPU does not run."""
     if kernel not in INT8_KERNELS:
         raise ValueError(f"int8 kernel {kernel!r}: one of {INT8_KERNELS}")
@@ -228,6 +234,7 @@ def set_int8_routes(kernel: str, paths: list[str], remember: bool = True) -> Non
     _apply_routes(_lib(), kernel, paths)
     if remember:
         _routes[kernel] = list(paths)
+        _forced.clear()
 
 
 def _apply_routes(lib, kernel: str, paths: list[str]) -> None:

@@ -163,7 +163,7 @@ def test_the_table_is_measured_once_then_read_from_its_file(monkeypatch, tmp_pat
     fake = FakeWorkload(monkeypatch, tmp_path, table)
     assert fake.ensure() == {"gemm": table} and fake.measured == 1
     assert [kernels.int8_route("gemm", r) for r in (1, 2, 3, 500)] == [paths[-1], paths[-1], paths[0], paths[0]]
-    kernels.set_int8_path("portable")
+    kernels.set_int8_routes("gemm", ["portable"], remember=False)
     assert fake.ensure() == {"gemm": table} and fake.measured == 1  # from the file
     assert kernels.int8_route("gemm", 1) == paths[-1]
     data = json.loads(fake.file.read_text())
@@ -200,10 +200,12 @@ def test_a_corrupted_or_stale_cache_file_is_measured_again(monkeypatch, tmp_path
     assert fake.ensure() == {"gemm": table} and fake.measured == 2
 
 
-def test_a_forced_path_is_not_measured_and_not_routed(monkeypatch, tmp_path, restore_routes):
+@pytest.mark.parametrize("how", ["environment", "set_int8_path"])
+def test_a_forced_path_is_not_measured_and_not_routed(monkeypatch, tmp_path, restore_routes, how):
     table = RouteTable("gemm", (1,), ("avx2",))
     fake = FakeWorkload(monkeypatch, tmp_path, table)
-    monkeypatch.setenv(kernels.INT8_PATH_ENV, "portable")
+    if how == "environment":
+        monkeypatch.setenv(kernels.INT8_PATH_ENV, "portable")
     kernels.set_int8_path("portable")
     assert fake.ensure() == {} and fake.measured == 0 and not fake.file.exists()
     assert kernels.int8_route("gemm", 7) == "portable"

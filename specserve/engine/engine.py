@@ -76,6 +76,10 @@ class LLMEngine:
         self._build_scheduler(num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
+        # What `recover` needs of the step in progress: the sequences it scheduled, and the final outputs it made
+        # (the output processor forgets a request once its final output is made).
+        self._step_req_ids: list[str] = []
+        self._step_final_outputs: dict[str, RequestOutput] = {}
 
     def _build_scheduler(self, num_blocks: int) -> None:
         """An empty block pool and prefix cache, and a scheduler with no request."""
@@ -254,10 +258,13 @@ class LLMEngine:
             return self.recover(exc)
 
     def _step(self) -> list[RequestOutput]:
+        self._step_req_ids, self._step_final_outputs = [], {}
         sched = self.scheduler.schedule()
+        self._step_req_ids = sched.req_ids
         out = self.runner.execute_model(sched)
         failed = self._fail_children(out.failed)  # before the update, which then passes over them
-        running = {rid: self.scheduler.requests[rid] for rid in sched.req_ids if rid in self.scheduler.requests}
+        running = {rid: r for rid in sched.req_ids
+                   if (r := self.scheduler.requests.get(rid)) is not None and r.status == RequestStatus.RUNNING}
         finished = self.scheduler.update_from_output(sched, out.sampled_token_ids, out.spec_token_ids,
                                                      out.draft_source_names)
         self._count(finished, sum(len(out.sampled_token_ids[rid]) for rid in running))
@@ -285,15 +292,26 @@ class LLMEngine:
             touched[parent] = None
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return failed + [self.output_processor.make_output(p) for p in touched]
+        return failed + [self._make_output(p) for p in touched]
+
+    def _make_output(self, parent_id: str) -> RequestOutput:
+        """The request's output now; a final one is also kept for `recover`, should the step fail after it."""
+        out = self.output_processor.make_output(parent_id)
+        if out.finished:
+            self._step_final_outputs[parent_id] = out
+        return out
 
     def _fail_children(self, failures: dict[str, RequestFailure]) -> list[RequestOutput]:
-        """End the requests whose sequences failed alone in the runner (one failed sequence fails its n)."""
+        """End the requests whose sequences failed alone in the runner (one failed sequence fails its n). The KV
+        the step wrote for them leaves the prefix cache, and requests that read it recompute."""
         parents = {}
         for child_id, failure in failures.items():
             parent = self.output_processor.parent_of(child_id)
             if parent is not None:
                 parents.setdefault(parent, failure)
+        if failures:
+            children = [c for parent in parents for c in self.output_processor.child_ids(parent)]
+            self.scheduler.discard_step_kv([*failures, *children])
         return [self._fail_request(parent, failure) for parent, failure in parents.items()]
 
     def _fail_request(self, parent_id: str, failure: RequestFailure, alone: bool = True) -> RequestOutput:
@@ -302,17 +320,18 @@ class LLMEngine:
         self.scheduler.finish_requests(self.output_processor.child_ids(parent_id), RequestStatus.FINISHED_ERROR)
         self.output_processor.fail(parent_id, failure.message, failure.from_input)
         self.metrics.num_requests_failed += alone
-        return self.output_processor.make_output(parent_id)
+        return self._make_output(parent_id)
 
     def recover(self, exc: Exception) -> list[RequestOutput]:
         """After a step failed in a way no single request owns: fail the requests in flight with the error,
         give the block pool, prefix cache, scheduler and runner (drafter included) a new engine's state, and
-        keep the requests that had not started. Returns the failed requests' final outputs."""
+        keep the requests that had not started. Returns a terminal output for every request in flight: the final
+        output the step made before the fault (one that finished or failed alone in it), else its failure."""
         self.metrics.num_engine_restarts += 1
         old_scheduler, old_kv = self.scheduler, self.kv_cache_manager
         parent_of = self.output_processor.parent_of
         not_started = [r for r in old_scheduler.waiting if r.status == RequestStatus.WAITING]
-        lost = dict.fromkeys(parent_of(rid) for rid, r in old_scheduler.requests.items() if r not in not_started)
+        lost = self._in_flight(old_scheduler, {r.request_id for r in not_started})
         if not lost:  # nothing was in flight: the waiting requests are all the step had
             lost, not_started = dict.fromkeys(parent_of(r.request_id) for r in not_started), []
         self._build_scheduler(old_kv.num_blocks)
@@ -322,7 +341,24 @@ class LLMEngine:
             if parent_of(request.request_id) not in lost:  # a sibling in flight fails its whole request
                 self.scheduler.add_request(request)
         failure = RequestFailure(f"the engine step failed ({type(exc).__name__}: {exc}); the engine was reset")
-        return [self._fail_request(parent, failure, alone=False) for parent in lost if parent is not None]
+        return [self._lost_output(parent, failure) for parent in lost if parent is not None]
+
+    def _in_flight(self, scheduler: Scheduler, not_started: set[str]) -> dict[str, None]:
+        """The requests (parent ids) in flight when a step failed: those the scheduler holds past waiting, those
+        the step scheduled (one it freed before the fault is gone from the scheduler, not from the output
+        processor), and those the step made a final output for (gone from both)."""
+        held = [rid for rid in scheduler.requests if rid not in not_started]
+        lost = dict.fromkeys(map(self.output_processor.parent_of, held + list(self._step_req_ids)))
+        lost.pop(None, None)
+        lost.update(dict.fromkeys(self._step_final_outputs))
+        return lost
+
+    def _lost_output(self, parent_id: str, failure: RequestFailure) -> RequestOutput:
+        """A request's terminal output after its step failed: the final output the step made for it before the
+        fault, else its failure."""
+        if self.output_processor.has_request(parent_id):
+            return self._fail_request(parent_id, failure, alone=False)
+        return self._step_final_outputs[parent_id]
 
     def _count(self, finished: list[Request], num_generated: int) -> None:
         m = self.metrics

@@ -109,6 +109,10 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = None
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Take the block out of the prefix cache (its KV is not to be trusted); a request holding it keeps it."""
+        self._evict(block)
+
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         if block.block_hash is not None or block is self.null_block:
             return
@@ -287,6 +291,24 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[rid] = num_full
 
+    def uncache_from(self, request: Request, first_token: int) -> set[KVCacheBlock]:
+        """Take the request's blocks that hold its tokens from first_token on out of the prefix cache, and return
+        them: a step that wrote their KV failed for it. Its blocks before (an earlier step's KV, or a prefix hit)
+        stay cached: their KV was complete before that step."""
+        rid = request.request_id
+        first_block = first_token // self.block_size
+        untrusted = self.req_blocks.get(rid, [])[first_block:]
+        for block in untrusted:
+            self.pool.uncache(block)
+        if rid in self.num_cached_blocks:
+            self.num_cached_blocks[rid] = min(self.num_cached_blocks[rid], first_block)
+        return set(untrusted)
+
+    def holds_any(self, request_id: str, blocks: set[KVCacheBlock]) -> bool:
+        """Whether the request holds (so its queries read) one of `blocks`."""
+        held = self.req_blocks.get(request_id, [])[self.num_dropped_blocks.get(request_id, 0):]
+        return any(block in blocks for block in held)
+
     def free(self, request: Request) -> None:
         """Release a finished or preempted request's blocks; its tail blocks are reused first."""
         blocks = self.req_blocks.pop(request.request_id, [])
@@ -358,6 +380,12 @@ class HybridKVCacheManager:
         window_ids = self.window.allocate_slots(request, num_new_tokens, window_hit, num_draft_tokens,
                                                 num_lookahead_tokens)
         return list(zip(full_ids, window_ids))
+
+    def uncache_from(self, request: Request, first_token: int) -> set[KVCacheBlock]:
+        return self.full.uncache_from(request, first_token) | self.window.uncache_from(request, first_token)
+
+    def holds_any(self, request_id: str, blocks: set[KVCacheBlock]) -> bool:
+        return self.full.holds_any(request_id, blocks) or self.window.holds_any(request_id, blocks)
 
     def free(self, request: Request) -> None:
         self.full.free(request)

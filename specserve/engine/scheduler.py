@@ -47,6 +47,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # per request of the last scheduled step, its num_computed_tokens before it: the first token whose KV
+        # that step writes
+        self.step_start_tokens: dict[str, int] = {}
+        self.recomputing: set[str] = set()  # sent back to recompute after a step (discard_step_kv)
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -76,9 +80,34 @@ class Scheduler:
             request.status = status
             self._free(request)
 
+    def discard_step_kv(self, failed_ids) -> list[str]:
+        """The requests `failed_ids` fail inside the last scheduled step, whose KV for them cannot be trusted (an
+        image that did not encode, positions that could not be built): take the blocks that step wrote for them
+        out of the prefix cache, and send every request of the step that read one of those blocks through a
+        prefix hit back to recompute (preempted: update_from_output then passes over its tokens of the step).
+        Call after the step ran, before update_from_output and before the failed requests are freed. Returns the
+        ids sent back."""
+        failed_ids = set(failed_ids)
+        untrusted: set = set()
+        readers = []
+        for rid, start in self.step_start_tokens.items():  # schedule order: a hit reads blocks scheduled before it
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            if rid in failed_ids or (untrusted and self.kv.holds_any(rid, untrusted)):
+                untrusted |= self.kv.uncache_from(request, start)
+                if rid not in failed_ids:
+                    readers.append(request)
+        for request in reversed(readers):  # FCFS kept at the front of the queue
+            self._preempt(request)
+            request.num_cached_tokens = -1  # the hit it reports is the one it is admitted again with
+            self.recomputing.add(request.request_id)
+        return [r.request_id for r in readers]
+
     def _free(self, request: Request) -> None:
         self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
+        self.recomputing.discard(request.request_id)  # the runner is told it finished, not that it was preempted
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -172,6 +201,7 @@ class Scheduler:
         return budget
 
     def _make_output(self, num_scheduled, spec_tokens, new_blocks, resumed, preempted) -> SchedulerOutput:
+        preempted, self.recomputing = preempted | self.recomputing, set()
         resumed_ids = {r.request_id for r in resumed}
         new_reqs = [
             NewRequestData(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
@@ -194,6 +224,7 @@ class Scheduler:
             preempted_req_ids=preempted,
         )
         self.finished_req_ids = set()
+        self.step_start_tokens = {rid: self.requests[rid].num_computed_tokens for rid in num_scheduled}
         # Advance progress now; update_from_output rolls back rejected drafts.
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n

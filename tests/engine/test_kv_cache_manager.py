@@ -486,3 +486,44 @@ def test_hybrid_allocation_fails_whole_when_either_pool_is_full():
     assert kv.allocate_slots(r, 13) is None
     assert kv.full.pool.num_free_blocks == 32 and kv.window.pool.num_free_blocks == 2
     assert kv.allocate_slots(r, 8) is not None  # 2 blocks each
+
+
+# ---- KV a failed step wrote --------------------------------------------------------------------------------
+
+def test_uncache_from_drops_the_blocks_from_that_token_on_and_keeps_those_before():
+    kv = KVCacheManager(16, BS)
+    prompt = list(range(1, 18))  # four full blocks and one token
+    a = make_request("a", prompt)
+    admit(kv, a)
+    untrusted = kv.uncache_from(a, 6)  # tokens 6.. were written by a step that failed: blocks 1.. go
+    assert untrusted == {kv.pool.blocks[i] for i in kv.get_block_ids("a")[1:]}
+    blocks, num_hit = kv.get_computed_blocks(make_request("b", prompt))
+    assert num_hit == BS and [x.block_id for x in blocks] == kv.get_block_ids("a")[:1]
+    assert kv.holds_any("a", untrusted) and not kv.holds_any("b", untrusted)
+    kv.free(a)
+    assert kv.get_computed_blocks(make_request("c", prompt))[1] == BS
+    check_pool_consistent(kv)
+
+
+def test_uncache_from_leaves_an_identical_block_that_another_request_cached():
+    kv = KVCacheManager(8, BS)
+    prompt = list(range(1, 10))
+    a, b = make_request("a", prompt), make_request("b", prompt)
+    hits_a, hits_b = kv.get_computed_blocks(a), kv.get_computed_blocks(b)  # one step: neither hits
+    kv.allocate_slots(a, 9, hits_a[0])
+    kv.allocate_slots(b, 9, hits_b[0])  # b's blocks stay private: a's identical ones are cached
+    kv.uncache_from(b, 0)
+    assert kv.get_computed_blocks(make_request("c", prompt))[1] == 2 * BS
+
+
+def test_hybrid_uncache_from_drops_the_blocks_in_both_pools():
+    kv = _hybrid(32, 8, window=5)
+    prompt = list(range(1, 18))
+    a = make_request("a", prompt)
+    admit(kv, a)
+    untrusted = kv.uncache_from(a, 2 * BS)
+    assert len(untrusted) == 2 * 3  # blocks 2, 3 and the partial 4 of each pool
+    for pool in (kv.full.pool, kv.window.pool):
+        assert [pool.get_cached_block(h) is None for h in a.block_hashes[:4]] == [False, False, True, True]
+    (full_hit, _), num_hit = kv.get_computed_blocks(make_request("b", prompt))
+    assert num_hit == 2 * BS and kv.holds_any("a", untrusted)

@@ -652,6 +652,72 @@ def test_stats_report_queue_lengths_and_usage():
     assert stats.kv_cache_usage == pytest.approx(2 / 8)
 
 
+# ---- requests failed inside a step ---------------------------------------------------------------
+
+def fail_in_step(sched: Scheduler, out: SchedulerOutput, runner: FakeRunner, failed: list[str]) -> list[str]:
+    """What the engine does when the runner fails `failed` inside the step `out`: discard their step's KV, end
+    them, then update the others. Returns the requests sent back to recompute."""
+    sampled, _ = runner.execute(out)
+    recomputing = sched.discard_step_kv(failed)
+    sched.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+    sched.update_from_output(out, sampled)
+    return recomputing
+
+
+def test_a_failed_step_leaves_no_blocks_in_the_cache_and_its_readers_recompute():
+    """a and b share a prompt and are admitted in one step; b hits the blocks a writes in it. a fails in the
+    step: its blocks leave the prefix cache, and b recomputes from scratch, dropping its token of the step."""
+    sched = make_scheduler(budget=64)
+    runner = FakeRunner(sched)
+    prompt = list(range(1, 18))  # four full blocks and one token
+    a, b = make_request("a", prompt, max_tokens=3), make_request("b", prompt, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert b.num_cached_tokens == 16
+    assert fail_in_step(sched, out, runner, ["a"]) == ["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_output_tokens == 0 and b.num_cached_tokens == -1
+    assert [r.request_id for r in sched.waiting] == ["b"] and not sched.kv.pool.cached
+
+    out = sched.schedule()
+    assert out.finished_req_ids == {"a", "b"} and out.preempted_req_ids == {"b"}  # the runner drops b's state
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0 == b.num_cached_tokens  # no hit: b recomputes
+    runner.step(out)
+    finished = run_to_completion(sched, runner)
+    assert finished["b"].output_token_ids == [target_token("b", 17 + i) for i in range(3)]
+    assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+
+
+def test_blocks_an_earlier_step_computed_stay_cached_and_their_readers_go_on():
+    """a computed its prompt in an earlier step; b hits those blocks, and a fails in the next step: only the
+    blocks that step wrote for a leave the cache, b keeps running."""
+    sched = make_scheduler(budget=64)
+    runner = FakeRunner(sched)
+    prompt = list(range(1, 16))  # 15 tokens: a's decode step fills block 3 and caches it
+    a, b = make_request("a", prompt, max_tokens=5), make_request("b", prompt[:12] + [40], max_tokens=3)
+    sched.add_request(a)
+    runner.step()
+    sched.add_request(b)
+    out = sched.schedule()
+    assert b.num_cached_tokens == 12 and len(sched.kv.pool.cached) == 4
+    assert fail_in_step(sched, out, runner, ["a"]) == []
+    assert b.status == RequestStatus.RUNNING and b.num_output_tokens == 1
+    assert len(sched.kv.pool.cached) == 3  # a's first three blocks, computed in the earlier step
+    assert sched.kv.get_computed_blocks(make_request("c", prompt))[1] == 12
+
+
+def test_a_reader_aborted_before_it_recomputes_is_reported_finished():
+    sched = make_scheduler(budget=64)
+    runner = FakeRunner(sched)
+    prompt = list(range(1, 18))
+    for rid in ("a", "b"):
+        sched.add_request(make_request(rid, prompt, max_tokens=3))
+    assert fail_in_step(sched, sched.schedule(), runner, ["a"]) == ["b"]
+    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    out = sched.schedule()
+    assert out.finished_req_ids == {"a", "b"} and not out.preempted_req_ids  # the runner forgets b for good
+
+
 # ---- randomized simulation -----------------------------------------------------------------------
 
 def check_block_accounting(kv: KVCacheManager) -> None:

@@ -298,8 +298,17 @@ class FastLinear(torch.nn.Module):
                 self._wq is not None and self._wq.format in INT8_ACTIVATION_FORMATS):  # its GEMM rounds x to int8
             return False
         if self._screen is None:
-            self._screen = kernels.pack_argmax_screen(self.dense_weight())
+            self._screen = self._pack_screen()
         return True
+
+    def _pack_screen(self) -> tuple[torch.Tensor, ...]:
+        """The screen of the fp32 weight; of GGUF blocks a few thousand rows at a time (a vocabulary's head in
+        fp32 is several times the file's size)."""
+        wq = self._wq
+        if wq is None:
+            return kernels.pack_argmax_screen(self.dense_weight())
+        return kernels.pack_argmax_screen_rows(wq.shape, lambda start, end: kernels.weight_rows(
+            wq.packed, wq.weight_format, wq.shape[1], torch.arange(start, end)))
 
     def argmax(self, x: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in] -> [M] int64, exactly ``self(x).argmax(-1)`` (see kernels.lm_head_argmax), or with allowed

@@ -8,15 +8,18 @@ and epilogue cost more than the dot products they save), while the fastest vecto
 at one row. The choice is a measurement, never the CPU's flags alone (ARCHITECTURE.md, invariant 10).
 
 How the table is made (`measure`, `choose`):
-- paths the CPU runs are probed at a few row counts, and one that is not within CLOSE of the fastest at any
-  probe is dropped (the portable path beside a vector one, say);
+- the fastest vector path the CPU runs (by its flags: AVX512-VNNI, else AVX2, else portable) is the baseline,
+  what every call takes until a table is set; each other path is probed at a few row counts and kept only if
+  it comes within MARGIN of the baseline at one of them (a path SLOW times the baseline at a probe is
+  dropped there unless it already came within MARGIN), so noise can lose a possible gain but never the
+  baseline;
 - the rest are timed in turns at each row count of MEASURED_ROWS, REPEATS times (the least is kept, and
-  close calls get more turns), over
-  every call of the model up to FULL_PASS_ROWS rows (one step's weights, as the memory sees them) and a share
-  of them above (where the arithmetic, not the bytes, sets the time);
-- each measured row count takes the fastest path, except that the previous count's path stays while it is
-  within MARGIN of the fastest (noise does not flip a table back and forth); counts between two measured ones
-  take the lower one's path.
+  close calls get more turns), over every call of the model up to FULL_PASS_ROWS rows (one step's weights, as
+  the memory sees them) and above it a share of them that keeps the work of a FULL_PASS_ROWS pass (where the
+  arithmetic, not the bytes, sets the time);
+- the path in use (the baseline before the first count) changes only to one that beats it by MARGIN at two
+  neighbouring measured counts (a lone noisy timing moves nothing); counts between two measured ones take
+  the lower one's path.
 A cache file that does not parse, names another CPU or version, or routes to a path this CPU does not run is
 measured again, never trusted.
 """
@@ -25,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import statistics
 import tempfile
@@ -42,15 +44,15 @@ logger = logging.getLogger(__name__)
 
 CACHE_VERSION = 1
 MEASURED_ROWS = {
-    "gemm": (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 128, 256, 512),
-    "screen": (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64),
+    "gemm": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512),
+    "screen": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
 }
 PROBE_ROWS = {"gemm": (1, 16, 256), "screen": (1, 16, 64)}
 MARGIN = 0.03
 CLOSE = 0.15
+SLOW = 2.0
 REPEATS = 3
-FULL_PASS_ROWS = 32
-PARTIAL_SHARE = 8  # above FULL_PASS_ROWS rows, the first 1/8 of the calls (whole layers: calls come in order)
+FULL_PASS_ROWS = 32  # above it, the first FULL_PASS_ROWS / rows of the calls (whole layers: they come in order)
 
 _logged: set[str] = set()
 
@@ -102,39 +104,52 @@ class RouteTable:
         return cls(kernel, tuple(starts), tuple(paths))
 
 
-def choose(kernel: str, timings: dict[str, dict[int, float]]) -> RouteTable:
-    """The table from seconds per path and row count (see the module docstring)."""
+def choose(kernel: str, timings: dict[str, dict[int, float]], baseline: str | None = None) -> RouteTable:
+    """The table from seconds per path and row count (see the module docstring): the path in use (`baseline`
+    before the first count, else the first count's fastest) changes only to one that beats it by MARGIN at a
+    measured count and at the next one (or the one before, at the last), so a lone noisy timing moves
+    nothing."""
     rows_measured = sorted({rows for per_path in timings.values() for rows in per_path})
-    starts, paths, previous = [], [], None
-    for rows in rows_measured:
+
+    def fastest(rows: int, current: str | None) -> str | None:
         times = {path: per_path[rows] for path, per_path in timings.items() if rows in per_path}
-        fastest = min(times, key=times.get)
-        near = previous is not None and previous in times and times[previous] <= times[fastest] * (1 + MARGIN)
-        pick = previous if near else fastest
-        if pick != previous:
+        best = min(times, key=times.get)
+        return current if current in times and times[current] <= times[best] * (1 + MARGIN) else best
+
+    starts, paths = [], []
+    current = baseline if baseline is not None and baseline in timings else fastest(rows_measured[0], None)
+    for i, rows in enumerate(rows_measured):
+        pick = fastest(rows, current)
+        if pick != current and len(rows_measured) > 1:
+            neighbour = rows_measured[i + 1] if i + 1 < len(rows_measured) else rows_measured[i - 1]
+            pick = pick if fastest(neighbour, current) == pick else current
+        if not paths or pick != paths[-1]:
             starts.append(1 if not starts else rows)
             paths.append(pick)
-        previous = pick
+        current = pick
     return RouteTable(kernel, tuple(starts), tuple(paths))
+
+
+def baseline_path(paths: list[str]) -> str:
+    """The fastest vector path of `paths` (slowest first): what every call takes until a table is set, and the
+    path each other one must beat (AMX is no vector path: its tiles pay only from some row count on)."""
+    return [path for path in paths if path != "amx"][-1]
 
 
 def measure(kernel: str, calls: list[Int8Call], paths: list[str], rows_measured=None,
             repeats: int = REPEATS) -> dict[str, dict[int, float]]:
     """Seconds per path and row count of `calls`, the least of the turns (see the module docstring): other
-    processes only ever add time, so the least is the call's own cost. Paths not close to the fastest at any
-    probe are dropped first; row counts where the two fastest are within CLOSE of each other get `repeats` more turns.
-    The kernel's routes are forced path by path meanwhile and left to the caller to set."""
+    processes only ever add time, so the least is the call's own cost. The paths are probed first (`probe`);
+    row counts where the two fastest are within CLOSE of each other get `repeats` more turns. The kernel's
+    routes are forced path by path meanwhile and left to the caller to set."""
     rows_measured = rows_measured or MEASURED_ROWS[kernel]
     inputs = _inputs(calls, max(rows_measured))
     for path in paths:  # first touches: buffers, pages, tile state
         _timed(kernel, path, calls, inputs, 1)
     probes = [r for r in PROBE_ROWS[kernel] if r <= max(rows_measured)] or [min(rows_measured)]
-    probe = {path: {rows: min(_timed(kernel, path, calls, inputs, rows) for _ in range(2)) for rows in probes}
-             for path in paths}
-    paths = [path for path in paths if any(
-        t <= (1 + CLOSE) * min(probe[other][rows] for other in paths) for rows, t in probe[path].items())]
+    paths, probed = probe(kernel, calls, inputs, paths, probes)
     if len(paths) == 1:
-        return {paths[0]: probe[paths[0]]}
+        return {paths[0]: probed[paths[0]]}
     samples = {path: {rows: [] for rows in rows_measured} for path in paths}
     _turns(kernel, calls, inputs, samples, paths, rows_measured, repeats)
     for rows in rows_measured:
@@ -142,6 +157,23 @@ def measure(kernel: str, calls: list[Int8Call], paths: list[str], rows_measured=
         if min(samples[second][rows]) <= min(samples[first][rows]) * (1 + CLOSE):
             _turns(kernel, calls, inputs, samples, [first, second], [rows], repeats)
     return {path: {rows: min(times) for rows, times in per_rows.items()} for path, per_rows in samples.items()}
+
+
+def probe(kernel: str, calls: list[Int8Call], inputs, paths: list[str], probes: list[int]):
+    """(the paths worth measuring, the seconds of every path probed): at each probe row count in turn (the
+    least of two timings), a path other than the baseline is dropped when it takes SLOW times the baseline's
+    time without having been within MARGIN of it at an earlier probe; after the last, one never within MARGIN
+    is dropped. Noise can only drop a path that might have won, never the baseline."""
+    baseline = baseline_path(paths)
+    seconds = {path: {} for path in paths}
+    contender = {baseline}
+    for rows in probes:
+        for path in paths:
+            seconds[path][rows] = min(_timed(kernel, path, calls, inputs, rows) for _ in range(2))
+        limit = seconds[baseline][rows]
+        contender |= {path for path in paths if seconds[path][rows] <= (1 + MARGIN) * limit}
+        paths = [path for path in paths if path in contender or seconds[path][rows] <= SLOW * limit]
+    return [path for path in paths if path in contender], seconds
 
 
 def _turns(kernel, calls, inputs, samples, paths, rows_measured, repeats) -> None:
@@ -161,7 +193,7 @@ def _inputs(calls: list[Int8Call], rows: int) -> dict[int, torch.Tensor]:
 
 def _timed(kernel: str, path: str, calls: list[Int8Call], inputs: dict[int, torch.Tensor], rows: int) -> float:
     kernels.set_int8_routes(kernel, [path], remember=False)
-    share = calls if rows <= FULL_PASS_ROWS else calls[:max(1, math.ceil(len(calls) / PARTIAL_SHARE))]
+    share = calls if rows <= FULL_PASS_ROWS else calls[:max(1, len(calls) * FULL_PASS_ROWS // rows)]
     xs = [inputs[call.in_features][:rows] for call in share]
     start = time.perf_counter()
     for call, x in zip(share, xs):
@@ -181,8 +213,9 @@ def ensure_routes(workloads: dict[str, list[Int8Call]]) -> dict[str, RouteTable]
     file = cache_file()
     tables = _read_entry(file, key, runs, list(workloads))
     if tables is None:
+        logger.info("int8 kernels: timing the paths %s on this model's calls (once for this model here)", runs)
         timings = {kernel: measure(kernel, calls, runs) for kernel, calls in workloads.items()}
-        tables = {kernel: choose(kernel, per_path) for kernel, per_path in timings.items()}
+        tables = {kernel: choose(kernel, per_path, baseline_path(runs)) for kernel, per_path in timings.items()}
         _write_entry(file, key, tables, timings)
     for kernel, table in tables.items():
         kernels.set_int8_routes(kernel, table.per_row())

@@ -445,14 +445,29 @@ def pack_argmax_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """[N, K] fp32 -> lm_head_argmax's int8 screen of it (csrc/greedy.c): quantize_int8's q packed
     [ceil(N / 16), ceil(K / 4), 16, 4] (four k's of 16 columns per 64 bytes, zero padded); its scales [N];
     sum_k q[n, k] [N] int32; sum_k |w[n, k]| [N] float64."""
-    n, k = weight.shape
-    q, scale = quantize_int8(weight)
-    padded = torch.zeros(-(-n // 16) * 16, -(-k // 4) * 4, dtype=torch.int8)
-    padded[:n, :k] = q
-    packed = padded.view(-1, 16, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
-    col_sum = q.sum(dim=1, dtype=torch.int32)
-    w_l1 = weight.double().abs().sum(dim=1)
-    return packed, scale, col_sum.contiguous(), w_l1.contiguous()
+    return pack_argmax_screen_rows(tuple(weight.shape), lambda start, end: weight[start:end])
+
+
+SCREEN_PACK_ROWS = 4096  # rows of W dequantized at a time: a vocabulary's fp32 head is never whole in memory
+
+
+def pack_argmax_screen_rows(shape: tuple[int, int], rows) -> tuple[torch.Tensor, ...]:
+    """pack_argmax_screen of the [N, K] weight whose fp32 rows start..end-1 `rows(start, end)` gives, made
+    SCREEN_PACK_ROWS rows at a time (the same tensors)."""
+    n, k = shape
+    k4 = -(-k // 4)
+    packed = torch.zeros(-(-n // 16), k4, 16, 4, dtype=torch.int8)
+    scale, col_sum, w_l1 = torch.empty(n), torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.float64)
+    for start in range(0, n, SCREEN_PACK_ROWS):  # a multiple of 16: each chunk fills whole column blocks
+        end = min(start + SCREEN_PACK_ROWS, n)
+        w = rows(start, end)
+        q, scale[start:end] = quantize_int8(w)
+        padded = torch.zeros(-(-(end - start) // 16) * 16, k4 * 4, dtype=torch.int8)
+        padded[:end - start, :k] = q
+        packed[start // 16:start // 16 + padded.shape[0] // 16] = padded.view(-1, 16, k4, 4).permute(0, 2, 1, 3)
+        col_sum[start:end] = q.sum(dim=1, dtype=torch.int32)
+        w_l1[start:end] = w.double().abs().sum(dim=1)
+    return packed, scale, col_sum, w_l1
 
 
 def lm_head_argmax(x: torch.Tensor, packed: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,

@@ -102,9 +102,23 @@ def test_choose_keeps_the_previous_path_within_the_margin_and_switches_beyond_it
         "avx512_vnni": {1: 4.0 * ms, 2: 4.4 * ms, 4: 5.0 * ms, 8: 7.0 * ms, 16: 12.0 * ms, 64: 40.0 * ms},
         "amx": {1: 7.0 * ms, 2: 4.3 * ms, 4: 4.95 * ms, 8: 6.0 * ms, 16: 8.0 * ms, 64: 20.0 * ms},
     }
-    table = int8_routes.choose("gemm", timings)
+    table = int8_routes.choose("gemm", timings, "avx512_vnni")
     # 2 and 4: amx faster by under MARGIN, so vnni stays; from 8 amx is faster by more
     assert table.starts == (1, 8) and table.paths == ("avx512_vnni", "amx")
+    # the baseline holds one row against a path faster by less than MARGIN
+    near = {"avx512_vnni": {1: 4.0 * ms, 2: 4.4 * ms}, "avx2": {1: 3.9 * ms, 2: 4.35 * ms}}
+    assert int8_routes.choose("gemm", near, "avx512_vnni").paths == ("avx512_vnni",)
+    assert int8_routes.choose("gemm", near).paths == ("avx2",)
+    # one count where another path is much faster (a noisy timing of the one in use) moves nothing
+    lone = {"avx512_vnni": {1: 4.0 * ms, 2: 9.0 * ms, 3: 5.0 * ms}, "avx2": {1: 6.0 * ms, 2: 6.0 * ms, 3: 7.0 * ms}}
+    assert int8_routes.choose("gemm", lone, "avx512_vnni").paths == ("avx512_vnni",)
+    # a path faster from some count on, to the last, takes those counts
+    late = {"avx512_vnni": {1: 4.0, 8: 7.0, 64: 40.0}, "amx": {1: 7.0, 8: 6.0, 64: 20.0}}
+    assert int8_routes.choose("gemm", late, "avx512_vnni").starts == (1, 8)
+    tail = {"avx512_vnni": {1: 4.0, 8: 7.0, 64: 40.0, 128: 80.0}, "amx": {1: 7.0, 8: 7.5, 64: 20.0, 128: 30.0}}
+    assert int8_routes.choose("gemm", tail, "avx512_vnni").describe() == "gemm: rows 1-63 avx512_vnni, rows 64+ amx"
+    tail["amx"][64] = 45.0  # a win at the last count alone is a lone timing
+    assert int8_routes.choose("gemm", tail, "avx512_vnni").paths == ("avx512_vnni",)
     assert [table.path_for(r) for r in (1, 2, 7, 8, 9, 1000)] == ["avx512_vnni"] * 3 + ["amx"] * 3
     assert table.per_row() == ["avx512_vnni"] * 7 + ["amx"]
     assert table.describe() == "gemm: rows 1-7 avx512_vnni, rows 8+ amx"
@@ -125,8 +139,8 @@ def test_measure_times_every_runnable_path_it_keeps_over_the_model_calls(restore
     assert timings and set(timings) <= set(kernels.int8_paths())
     assert all(t > 0 for per_rows in timings.values() for t in per_rows.values())
     assert {path for path, _ in seen} == set(kernels.int8_paths())  # each path ran under its own route
-    inputs = {128: torch.randn(40, 128)}
-    for rows, share in ((2, 16), (40, 2)):  # above FULL_PASS_ROWS rows, the first 1/PARTIAL_SHARE of the calls
+    inputs = {128: torch.randn(512, 128)}
+    for rows, share in ((2, 16), (40, 12), (512, 1)):  # above FULL_PASS_ROWS rows a share: the work of 32 rows
         seen.clear()
         int8_routes._timed("gemm", "portable", calls, inputs, rows)
         assert seen == [("portable", rows)] * share
@@ -149,7 +163,7 @@ class FakeWorkload:
             return {path: {1: 1.0} for path in table.paths}
 
         monkeypatch.setattr(int8_routes, "measure", fake_measure)
-        monkeypatch.setattr(int8_routes, "choose", lambda kernel, timings: table)
+        monkeypatch.setattr(int8_routes, "choose", lambda kernel, timings, baseline=None: table)
         monkeypatch.setattr(int8_routes, "cache_file", lambda: self.file)
         monkeypatch.delenv(kernels.INT8_PATH_ENV, raising=False)
 

@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from specserve.models.linear import int8_workloads
+from specserve.ops import int8_routes
 from specserve.ops.attention import copy_blocks, copy_slots, kv_caches, slot_ids
 from specserve.ops.kernels import kernel_usable
 from specserve.sample.metadata import SamplingMetadata
@@ -108,8 +110,10 @@ class ModelRunner(DraftingMixin):
             self.drafter_kv.reset()
 
     def calibrate_step_costs(self, num_blocks: int, max_num_seqs: int) -> None:
-        """Times the target's steps on a dummy context before the first request (StepCalibrator), so the
-        draft policy prices drafts from this machine's step costs from the first step."""
+        """Routes the int8 kernels' calls by row count to the fastest path for this model here (measured on
+        first use, int8_routes), then times the target's steps on a dummy context before the first request
+        (StepCalibrator), so the draft policy prices drafts from this machine's step costs from the first step."""
+        int8_routes.ensure_routes(int8_workloads(self.model))
         if self.proposer is not None and self.draft_policy.adaptive:
             StepCalibrator(self).run(num_blocks, max_num_seqs)
 

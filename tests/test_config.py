@@ -99,3 +99,11 @@ def test_the_shipped_head_drafts_from_4_bit_weights_beside_a_target_in_blocks(me
     assert SpeculativeConfig.from_dict(dict(method), None, 4.0).quantization is None  # fp32 target: fp32 head
     assert SpeculativeConfig.from_dict({**method, "quantization": "int8"}, None, 0.6).quantization == "int8"
     assert SpeculativeConfig.from_dict({**method, "model": "my/head"}, None, 0.6).quantization is None
+
+
+def test_a_catalog_name_is_a_model_wherever_a_path_is(default_gguf_path):
+    shipped = os.path.join(HEADS_DIR, "smollm2-135m-instruct-eagle3")
+    assert EngineConfig(model="smollm2-135m-instruct").model == default_gguf_path
+    assert SpeculativeConfig.from_dict({"method": "eagle3"}, "smollm2-135m-instruct").model == shipped
+    draft = SpeculativeConfig.from_dict({"method": "draft_model", "model": "SmolLM2-135M-Instruct"})
+    assert draft.model == default_gguf_path

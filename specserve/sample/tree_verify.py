@@ -19,12 +19,12 @@ as history, so penalties and min_tokens see what plain decoding would have seen.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specserve.sample.metadata import SamplingMetadata
-from specserve.sample.sampler import compute_probs, gather_logprobs, random_sample
+from specserve.sample.sampler import gather_logprobs, invalid_logits_errors, random_sample, target_probs
 from specserve.sample.draft_tree import DraftTree
 
 
@@ -33,6 +33,7 @@ class TreeVerification:
     token_ids: list[list[int]]  # per request: accepted drafts + one recovered or bonus token
     accepted: list[list[int]]  # per request: the accepted nodes, root's child first
     logprobs: object | None = None  # LogprobsTensors, one row per emitted token
+    errors: dict[int, Exception] = field(default_factory=dict)  # request -> why a row it emits from is invalid
 
 
 def trees_of(drafts: list[list[int]], trees: list[DraftTree | None]) -> list[DraftTree]:
@@ -61,7 +62,7 @@ def verify_tree_random(trees: list[DraftTree], logits: torch.Tensor, meta: Sampl
     histories = [[[tree.tokens[v] for v in tree.path_to(node)] for node in range(-1, len(tree))]
                  for tree in trees]
     expanded = meta.expand_rows(histories)
-    probs = compute_probs(logits, expanded)  # [rows, V]
+    probs, invalid = target_probs(logits, expanded)  # [rows, V], [rows]
     draws = _keyed_draws(probs, expanded)
 
     def pick(i: int, row: int, kids: dict[int, int]) -> tuple[int, int | None]:
@@ -75,7 +76,19 @@ def verify_tree_random(trees: list[DraftTree], logits: torch.Tensor, meta: Sampl
         emitted = torch.tensor([t for toks in tokens for t in toks], dtype=torch.int64)
         logprobs = gather_logprobs(logits[torch.tensor(emitted_rows, dtype=torch.long)], emitted,
                                    meta.max_num_logprobs)
-    return TreeVerification(tokens, accepted, logprobs)
+    return TreeVerification(tokens, accepted, logprobs,
+                            _emitting_row_errors(invalid, emitted_rows, tokens, expanded))
+
+
+def _emitting_row_errors(invalid: torch.Tensor, emitted_rows: list[int], tokens: list[list[int]],
+                         expanded: SamplingMetadata) -> dict[int, Exception]:
+    """{request: error} for the requests that emitted a token from an invalid row (invalid: [rows] bool;
+    emitted_rows request-major, len(tokens[i]) of them for request i)."""
+    if not bool(invalid.any()):
+        return {}
+    request_of_emitted = [i for i, toks in enumerate(tokens) for _ in toks]
+    at_emitted = invalid[torch.tensor(emitted_rows, dtype=torch.long)]
+    return invalid_logits_errors(at_emitted, [expanded.params[r] for r in emitted_rows], request_of_emitted)
 
 
 def _walk(trees: list[DraftTree], pick) -> tuple[list[list[int]], list[list[int]], list[int]]:
@@ -107,18 +120,24 @@ def _recursive_rejection(p: torch.Tensor, kids: dict[int, int], q: torch.Tensor 
         if total <= 0.0:
             break
         if q is None:  # q one-hot at token: accept with r(t); on rejection r loses t
-            if float(torch.rand(())) * total < float(residual[token]):
+            if _uniform() * total < float(residual[token]):
                 return token, child
             residual = residual.clone()
             residual[token] = 0.0
         else:
             qc = q[child].double()
             r = residual / total
-            if float(torch.rand(())) * float(qc[token]) < float(r[token]):
+            if _uniform() * float(qc[token]) < float(r[token]):
                 return token, child
             rest = (r - qc).clamp_min(0.0)
             residual = rest if float(rest.sum()) > 0.0 else r
     return int(random_sample(residual[None].float(), {})[0]), None
+
+
+def _uniform() -> float:
+    """U[0, 1) from torch's generator at float64 resolution (float32 draws lie on a 2^-24 grid, so a ratio below
+    2^-24 would be accepted with probability 2^-24)."""
+    return float(torch.rand((), dtype=torch.float64))
 
 
 def _keyed_draws(probs: torch.Tensor, expanded: SamplingMetadata) -> dict[int, int]:

@@ -33,13 +33,26 @@ class DraftingMixin:
             return forced  # nothing pays: no drafting work (a drafter that keeps state catches up when it next drafts)
         inputs = self._build_draft_inputs(batch, sampled, hidden, aux, states, plans)
         try:
-            return {**self._propose(batch, inputs), **forced}
+            drafts = self._propose(batch, inputs)
         except Exception:  # noqa: BLE001 - drafts are an optimisation: a failing drafter never fails a request
             logger.exception("the drafter failed; its %d requests of this step go on without drafts",
                              len(inputs.req_ids))
             self.finished_since_draft |= inputs.finished_req_ids  # not delivered: told again next call
             self._stop_drafting(inputs.req_ids)
-            return forced
+            drafts = {}
+        refused = self._undraft_grammar_failures()
+        return {rid: d for rid, d in {**drafts, **forced}.items() if rid not in refused}
+
+    def _undraft_grammar_failures(self) -> set[str]:
+        """The requests whose grammar failed while the drafter asked it for masks: they decode without drafts
+        from now on, their matcher restarted over their accepted tokens (one that fails again there fails its
+        request alone). The other requests of the call keep their drafts."""
+        errors = self.grammars.take_drafting_errors()
+        for rid, exc in errors.items():
+            logger.warning("request %s: its grammar failed while drafting (%s); it goes on without drafts", rid, exc)
+            self.grammars.restart(rid, self.requests[rid].output_token_ids, self._grammar_failed)
+        self._stop_drafting(list(errors))
+        return set(errors)
 
     def _may_draft(self, req_id: str) -> bool:
         """Not a request that failed this step, nor one the drafter failed on."""
@@ -70,6 +83,9 @@ class DraftingMixin:
                     (0, sum(map(len, drafts.token_ids)), time.perf_counter() - start)]:
                 self.draft_policy.observe_drafting(num_tokens, seconds, option)
         for i, rid in enumerate(inputs.req_ids):
+            if rid in self.grammars.drafting_errors:  # its matcher failed in this call: no drafts
+                drafts.token_ids[i] = []
+                continue
             tree = drafts.trees[i] if drafts.trees is not None else None
             if tree is not None and (rid in self.grammars or not self.tree_scratch):  # chains only: its first path
                 drafts.token_ids[i] = [tree.tokens[v] for v in tree.first_path()]

@@ -407,8 +407,9 @@ class ModelRunner(DraftingMixin):
         # structured outputs: the grammar's allowed tokens at every sampled or verified row
         masks = (self.grammars.logits_masks(batch.sample_req_ids, batch.draft_token_ids, self._grammar_failed)
                  if self.grammars else [])
+        errors = {}  # request index -> why nothing could be sampled for it (InvalidLogitsError)
         if batch.draft_trees is not None:
-            tokens, lp = self._verify_trees(hidden, batch, meta, masks, awaiting)
+            tokens, lp, errors = self._verify_trees(hidden, batch, meta, masks, awaiting)
         elif meta.argmax_only:  # greedy without penalties or logprobs: the argmax alone, not the logits
             targets = self.model.greedy_tokens(hidden, self.grammars.allowed_rows(masks, hidden.shape[0],
                                                                                     self.vocab_size) if masks else None)
@@ -416,12 +417,14 @@ class ModelRunner(DraftingMixin):
                       else verify_argmax_targets(spec, targets).token_ids)
         elif spec is None:
             out = self.sampler(self.grammars.apply(self.model.compute_logits(hidden), masks), meta)
-            tokens, lp = [[t] for t in out.sampled_token_ids.tolist()], out.logprobs
+            tokens, lp, errors = [[t] for t in out.sampled_token_ids.tolist()], out.logprobs, out.errors
         else:
             probs = [_q_of(awaiting[rid][0], d) for rid, d in zip(batch.sample_req_ids, batch.draft_token_ids)]
             out = self.rejection_sampler(spec, self.grammars.apply(self.model.compute_logits(hidden), masks), meta,
                                          probs if any(p is not None for p in probs) else None)
-            tokens, lp = out.token_ids, out.logprobs
+            tokens, lp, errors = out.token_ids, out.logprobs, out.errors
+        for i, exc in errors.items():  # its logits allow no draw (NaN/inf after penalties): it fails alone
+            self._fail(batch.sample_req_ids[i], exc, "sampling")
         if spec is not None:
             for rid, drafts, toks in zip(batch.sample_req_ids, batch.draft_token_ids, tokens):
                 if drafts and rid not in self.forced_drafts:  # forced drafts teach the policy nothing
@@ -438,7 +441,7 @@ class ModelRunner(DraftingMixin):
         return sampled, logprobs
 
     def _verify_trees(self, hidden: torch.Tensor, batch: InputBatch, meta: SamplingMetadata, masks, awaiting):
-        """(tokens, logprobs) of a step where some request verifies a draft tree (the others' chains are
+        """(tokens, logprobs, errors) of a step where some request verifies a draft tree (the others' chains are
         one-path trees); the accepted nodes' K/V move to their requests' own slots."""
         trees = trees_of(batch.draft_token_ids, batch.draft_trees)
         if meta.argmax_only:
@@ -454,7 +457,7 @@ class ModelRunner(DraftingMixin):
                 self.tree_accepted[rid] = accepted
                 copy_slots(self.kv_caches, accepted_moves(step, accepted, self.requests[rid].block_ids,
                                                           self.block_size), self.block_size)
-        return out.token_ids, out.logprobs
+        return out.token_ids, out.logprobs, out.errors
 
     def _logprob_entries(self, req_ids: list[str], tokens: list[list[int]], lp) -> dict[str, list[dict]]:
         """Per request, per new token, {token_id: (logprob, rank)}: the sampled token plus the top-n."""

@@ -15,6 +15,9 @@ class GrammarRequests:
 
     def __init__(self) -> None:
         self.matchers: dict[str, object] = {}  # req_id → structured.grammar.GrammarMatcher
+        self.compiled: dict[str, object] = {}  # req_id → its CompiledGrammar, to restart its matcher from
+        # Requests whose matcher failed while a drafter asked it for masks (allowed_next), with the error.
+        self.drafting_errors: dict[str, Exception] = {}
 
     def __bool__(self) -> bool:
         return bool(self.matchers)
@@ -27,10 +30,13 @@ class GrammarRequests:
         from specserve.structured.grammar import GrammarMatcher
 
         self.matchers[req_id] = GrammarMatcher(compiled)
+        self.compiled[req_id] = compiled
         self.accept(req_id, list(output_token_ids), on_error)
 
     def forget(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
+        self.compiled.pop(req_id, None)
+        self.drafting_errors.pop(req_id, None)
 
     def logits_masks(self, req_ids: list[str], drafts: list[list[int]], on_error: OnError
                      ) -> list[tuple[int, torch.Tensor]]:
@@ -69,20 +75,32 @@ class GrammarRequests:
 
     def allowed_next(self, req_ids: list[str]):
         """DraftInputs.allowed_next for a drafting call over req_ids: (row, drafts so far) -> the row's
-        grammar mask after them, or None for an unconstrained request."""
+        grammar mask after them, or None for an unconstrained request. A matcher that fails here fails its own
+        request's drafting only: the error goes to drafting_errors, and the request is unconstrained for the rest
+        of the call (the caller drops its drafts and restarts its matcher: `take_drafting_errors`, `restart`)."""
         def allowed(i: int, drafts: list[int]) -> torch.Tensor | None:
             matcher = self.matchers.get(req_ids[i])
-            if matcher is None:
+            if matcher is None or req_ids[i] in self.drafting_errors:
                 return None
-            accepted = matcher.accept(drafts)  # short of all only past an EOS (the grammar then allows EOS)
             try:
-                if accepted != len(drafts) and not matcher.is_terminated():
-                    raise RuntimeError(f"request {req_ids[i]}: a draft broke its grammar")
-                return matcher.allowed_mask()
-            finally:
-                matcher.rollback(accepted)
+                return _mask_after(matcher, drafts, req_ids[i])
+            except Exception as exc:  # noqa: BLE001 - one request's grammar never stops the others' drafting
+                self.drafting_errors[req_ids[i]] = exc
+                return None
 
         return allowed
+
+    def take_drafting_errors(self) -> dict[str, Exception]:
+        """{req_id: error} of the matchers that failed while drafting since the last call."""
+        errors, self.drafting_errors = self.drafting_errors, {}
+        return errors
+
+    def restart(self, req_id: str, output_token_ids: list[int], on_error: OnError) -> None:
+        """A fresh matcher for a running request, advanced over the tokens it has accepted: a matcher that failed
+        may be stuck in its error state, which rolling back does not leave."""
+        compiled = self.compiled.get(req_id)
+        if compiled is not None:
+            self.start(req_id, compiled, output_token_ids, on_error)
 
     def accept(self, req_id: str, token_ids: list[int], on_error: OnError) -> None:
         matcher = self.matchers.get(req_id)
@@ -110,6 +128,17 @@ class GrammarRequests:
             self.forget(req_id)
             on_error(req_id, exc)
             return []
+
+
+def _mask_after(matcher, drafts: list[int], req_id: str) -> torch.Tensor:
+    """[vocab] bool: the matcher's mask after `drafts`, its state unchanged on return."""
+    accepted = matcher.accept(drafts)  # short of all only past an EOS (the grammar then allows EOS)
+    try:
+        if accepted != len(drafts) and not matcher.is_terminated():
+            raise RuntimeError(f"request {req_id}: a draft broke its grammar")
+        return matcher.allowed_mask()
+    finally:
+        matcher.rollback(accepted)
 
 
 def _advance(matcher, token_ids: list[int], req_id: str) -> None:

@@ -261,13 +261,12 @@ class Scheduler:
         return finished
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
-        """Length first, then stop tokens (vLLM's order); min_tokens holds back EOS and stop ids."""
+        """Length first, then stop tokens (vLLM's order). Before min_tokens the sampler masks EOS and stop ids
+        unless nothing else is allowed (a grammar that has ended), so one that comes anyway stops the request."""
         num_out = request.num_output_tokens
         if request.num_tokens >= self.config.max_model_len or (
                 request.max_tokens is not None and num_out >= request.max_tokens):
             request.status = RequestStatus.FINISHED_LENGTH
-        elif num_out < request.min_tokens:
-            return False
         elif token_id in request.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token_id

@@ -536,16 +536,17 @@ def test_stop_token_ids_set_stop_reason():
     assert req.output_token_ids[-1] == 42 and req.num_output_tokens == 2
 
 
-def test_min_tokens_holds_back_eos_and_stop_tokens():
+@pytest.mark.parametrize("token, reason", [(EOS, None), (42, 42)])
+def test_a_stop_token_emitted_before_min_tokens_stops(token, reason):
+    """The sampler masks EOS and stop ids before min_tokens unless nothing else is allowed (a grammar that has
+    ended): one that is emitted anyway ends the request there, as in vLLM."""
     sched = make_scheduler()
-    emit = {("a", 5): EOS, ("a", 6): 42, ("a", 7): EOS}
-    runner = FakeRunner(sched, emit=emit)
-    req = make_request("a", 5, max_tokens=10, min_tokens=3, stop_token_ids=[42])
+    runner = FakeRunner(sched, emit={("a", 5): 7, ("a", 6): token})
+    req = make_request("a", 5, max_tokens=10, min_tokens=5, stop_token_ids=[42])
     sched.add_request(req)
     run_to_completion(sched, runner)
-    # EOS and 42 as outputs 1 and 2 are kept; EOS as output 3 (== min_tokens) stops.
-    assert req.output_token_ids == [EOS, 42, EOS]
-    assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason is None
+    assert req.output_token_ids == [7, token]
+    assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == reason
 
 
 def test_max_tokens_finishes_with_length():

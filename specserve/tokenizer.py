@@ -177,8 +177,11 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
-    """A Tokenizer for a HF folder, a `.gguf` file, or the default model when `path` is None."""
-    path = default_model_path() if path is None else os.fspath(path)
+    """A Tokenizer for a HF folder, a `.gguf` file, a catalog model name (specserve models), or the default
+    model when `path` is None."""
+    from specserve.config import resolve_model_name
+
+    path = default_model_path() if path is None else resolve_model_name(os.fspath(path))
     if os.path.isdir(path):
         return Tokenizer.from_hf_folder(path)
     if path.endswith(".gguf"):

@@ -192,3 +192,14 @@ def test_gemma3_gguf_gets_gemmas_chat_format(gemma3_gguf_path):
     assert {1, 106} <= tok.eos_token_ids  # <eos> and <end_of_turn> end a reply
     with pytest.raises(Exception, match="alternate"):
         tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_a_catalog_name_loads_its_files_tokenizer(monkeypatch, default_gguf_path):
+    """load_tokenizer takes a catalog model name (specserve models) as the engine does: the name's file."""
+    from specserve.models import catalog
+
+    asked = []
+    monkeypatch.setattr(catalog, "resolve", lambda name: asked.append(name) or default_gguf_path)
+    by_name = load_tokenizer("some-catalog-model")
+    assert asked == ["some-catalog-model"]
+    assert by_name.encode("Hello, world") == load_tokenizer(default_gguf_path).encode("Hello, world")

@@ -16,6 +16,7 @@ from specserve.bench.common import (
 from specserve.bench.latency_report import (
     DEFAULT_NUM_SPECULATIVE_TOKENS, HF_PLAIN, HF_PROMPT_LOOKUP, HF_PROMPT_LOOKUP_TOKENS, LABELS, PLAIN,
     RequestTiming, build_report, format_report, speculative_mismatches)
+from specserve.config import resolve_model_name
 from specserve.models.loader import default_model_path
 
 DEFAULT_OUTPUT = "bench_results/latency.json"
@@ -132,7 +133,7 @@ def spec_configs(args: argparse.Namespace) -> dict[str, dict]:
             if args.draft_model:
                 config["model"] = args.draft_model
             else:  # no smaller model with SmolLM2's tokenizer is bundled: its own weights in int8 draft for it
-                config.update(model=args.model or default_model_path(), quantization="int8")
+                config.update(model=resolve_model_name(args.model) or default_model_path(), quantization="int8")
         config.update(overrides.get(label, {}))
         if config["method"] != method:
             raise ValueError(f"--spec-config-json: the {label!r} entry cannot change its method")
@@ -172,7 +173,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
 
         from specserve.bench.llamacpp import run_llamacpp
 
-        timings += run_llamacpp(args.model or default_model_path(), prompts, warmup, args.max_tokens,
+        model_file = resolve_model_name(args.model) or default_model_path()
+        timings += run_llamacpp(model_file, prompts, warmup, args.max_tokens,
                                 torch.get_num_threads(), WARMUP_TOKENS, _log)
     env["load_average_1m_end"] = environment_info().get("load_average_1m")  # the machine may be shared
     report = build_report(args, env, configs, prompts, timings)
@@ -307,7 +309,7 @@ def run_transformers(args: argparse.Namespace, prompts: list[BenchPrompt], warmu
     from specserve.models.loader import default_model_path
 
     with Stopwatch() as sw:
-        model = load_hf_model(args.model or default_model_path(), args.dtype)
+        model = load_hf_model(resolve_model_name(args.model) or default_model_path(), args.dtype)
     _log(f"transformers: loaded in {sw.seconds:.1f} s")
     timings = []
     for method, kwargs in ((HF_PLAIN, {}), (HF_PROMPT_LOOKUP, {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS})):

@@ -12,6 +12,7 @@ from specserve.bench.common import (
     BenchPrompt, Stopwatch, add_dataset_args, common_prefix_len, environment_info, evenly_spaced, format_table,
     hf_generate, load_bench_prompts, load_hf_model, median, mismatch_exit_status, prompts_summary,
     request_latencies, safe_div, write_json)
+from specserve.config import resolve_model_name
 
 DEFAULT_OUTPUT = "bench_results/throughput.json"
 WARMUP_TOKENS = 8
@@ -202,7 +203,7 @@ def run_transformers(args: argparse.Namespace, prompts: list[BenchPrompt], batch
     from specserve.models.loader import default_model_path
 
     with Stopwatch() as sw:
-        model = load_hf_model(args.model or default_model_path(), args.dtype)
+        model = load_hf_model(resolve_model_name(args.model) or default_model_path(), args.dtype)
     _log(f"transformers: loaded in {sw.seconds:.1f} s")
     hf_generate(model, [prompts[0].token_ids], WARMUP_TOKENS, pad_token_id)
     results = []

@@ -262,8 +262,8 @@ def _write_entry(file: Path, key: str, tables: dict[str, RouteTable], timings: d
     file or the new one. A file that cannot be read is started afresh; one that cannot be written is logged."""
     try:
         data = json.loads(file.read_text()) if file.exists() else {}
-        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or data.get("cpu") != kernels.cpu_model() \
-                or not isinstance(data.get("entries"), dict):
+        current = isinstance(data, dict) and data.get("version") == CACHE_VERSION
+        if not (current and data.get("cpu") == kernels.cpu_model() and isinstance(data.get("entries"), dict)):
             data = {}
     except (OSError, ValueError):
         data = {}
@@ -271,8 +271,8 @@ def _write_entry(file: Path, key: str, tables: dict[str, RouteTable], timings: d
     data["entries"][key] = {
         "threads": torch.get_num_threads(),
         "tables": {kernel: table.to_json() for kernel, table in tables.items()},
-        "seconds": {kernel: {path: {str(rows): t for rows, t in per_rows.items()} for path, per_rows in per_path.items()}
-                    for kernel, per_path in timings.items()},
+        "seconds": {kernel: {path: {str(rows): t for rows, t in per_rows.items()}
+                             for path, per_rows in per_path.items()} for kernel, per_path in timings.items()},
     }
     try:
         with tempfile.NamedTemporaryFile("w", dir=file.parent, delete=False, suffix=".tmp") as out:

@@ -225,8 +225,8 @@ def set_int8_path(name: str | None) -> str:
 
 def set_int8_routes(kernel: str, paths: list[str], remember: bool = True) -> None:
     """`kernel`'s calls of r rows on paths[r - 1] (r <= len(paths); larger calls on paths[-1]); with remember,
-    these are the routes set_int8_path(None) returns to, and no path is forced any more. Raises ValueError for an unknown kernel or path, or a
-    path the CPU does not run."""
+    these are the routes set_int8_path(None) returns to, and no path is forced any more. Raises ValueError for
+    an unknown kernel or path, or a path the CPU does not run."""
     if kernel not in INT8_KERNELS:
         raise ValueError(f"int8 kernel {kernel!r}: one of {INT8_KERNELS}")
     if not 1 <= len(paths) <= INT8_ROUTE_ROWS or any(p not in ALL_INT8_PATHS for p in paths):

@@ -17,6 +17,7 @@ cheaper than on fp32 activations, at the cost of the activations' rounding (`Eng
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -311,12 +312,33 @@ def quantize_q4(weight: torch.Tensor, group: int = 32) -> QuantizedWeight:
     return QuantizedWeight.pack(q.reshape(n, k), a, low.astype(np.float32), Q4, group, "Q4_1")
 
 
-def int8_activation_weights(state_dict: dict, digits: int = 2) -> dict:
+def int8_activation_weights(state_dict: Mapping, digits: int = 2) -> Mapping:
     """The decoder layers' 4-bit QuantizedWeights in the int8-activation layout (for_int8_activations) for
     `digits` int8 digits per activation; embeddings and the LM head keep theirs (lookups and the exact
-    greedy argmax read them)."""
-    return {name: w.for_int8_activations(digits) if isinstance(w, QuantizedWeight) and ".layers." in name else w
-            for name, w in state_dict.items()}
+    greedy argmax read them). Each weight is repacked when it is read and not kept: a model builder that
+    fuses q/k/v or gate/up holds one copy of them, never the parts and the fused weight of every layer at
+    once (a 1.5B model's blocks are ~1 GB)."""
+    return Int8ActivationWeights(state_dict, digits)
+
+
+class Int8ActivationWeights(Mapping):
+    """A read-only view of a state dict with the decoder layers' 4-bit weights in the int8-activation layout,
+    made on each read (see int8_activation_weights)."""
+
+    def __init__(self, state_dict: Mapping, digits: int) -> None:
+        if digits not in (1, 2):
+            raise ValueError(f"digits must be 1 or 2, got {digits}")
+        self.state_dict, self.digits = state_dict, digits
+
+    def __getitem__(self, name: str):
+        w = self.state_dict[name]
+        return w.for_int8_activations(self.digits) if isinstance(w, QuantizedWeight) and ".layers." in name else w
+
+    def __iter__(self):
+        return iter(self.state_dict)
+
+    def __len__(self) -> int:
+        return len(self.state_dict)
 
 
 def cat_rows(weights: list) -> "QuantizedWeight | torch.Tensor":
@@ -327,6 +349,11 @@ def cat_rows(weights: list) -> "QuantizedWeight | torch.Tensor":
         return torch.cat(weights)
     formats = {w.format if isinstance(w, QuantizedWeight) else None for w in weights}
     if len(formats) == 1 and formats <= set(INT8_ACTIVATION_FORMATS):
+        if all(w.group == 32 for w in weights) and all(w.shape[0] % BLOCK == 0 for w in weights[:-1]):
+            # whole column blocks: the records follow each other, each reordered within itself
+            n = sum(w.shape[0] for w in weights)
+            return QuantizedWeight(torch.cat([w.packed for w in weights]), weights[0].format, 32,
+                                   (n, weights[0].shape[1]), _joined_qtype(weights))
         return cat_rows([w.as_exact() for w in weights]).for_int8_activations(2 if Q4_I8 in formats else 1)
     weights = [w.as_exact() if isinstance(w, QuantizedWeight) else w for w in weights]
     if not all(isinstance(w, QuantizedWeight) and w.format in (Q4, Q8) for w in weights):

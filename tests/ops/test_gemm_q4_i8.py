@@ -101,10 +101,11 @@ def test_layout_round_trips():
     assert torch.equal(int8.as_exact().packed, exact.packed)
     for part, want in zip(int8.unpack(), exact.unpack()):
         np.testing.assert_array_equal(part, want)
-    parts = [random_q4(rng, n, 96) for n in (64, 32, 20)]  # whole blocks, then a partial one
-    fused = cat_rows([p.for_int8_activations() for p in parts])
-    assert fused.weight_format == (Q4_I8, 32)
-    assert torch.equal(fused.packed, cat_rows(parts).for_int8_activations().packed)
+    for sizes in ((64, 32, 20), (20, 64)):  # whole blocks then a partial one (records joined), a partial first
+        parts = [random_q4(rng, n, 96) for n in sizes]
+        fused = cat_rows([p.for_int8_activations() for p in parts])
+        assert fused.weight_format == (Q4_I8, 32) and fused.shape == (sum(sizes), 96)
+        assert torch.equal(fused.packed, cat_rows(parts).for_int8_activations().packed)
 
 
 def test_only_decoder_layers_four_bit_blocks_change():
@@ -118,6 +119,11 @@ def test_only_decoder_layers_four_bit_blocks_change():
     assert out["model.layers.0.mlp.up_proj.weight"].weight_format == (Q4_I8, 32)
     assert out["model.embed_tokens.weight"] is q4 and out["model.layers.0.mlp.down_proj.weight"] is q8
     assert out["model.norm.weight"] is state["model.norm.weight"]
+    assert set(out) == set(state) and len(out) == len(state)
+    # repacked on each read, nothing kept: a builder that fuses layers never holds every layer's parts
+    first, again = out["model.layers.0.mlp.up_proj.weight"], out["model.layers.0.mlp.up_proj.weight"]
+    assert first is not again and torch.equal(first.packed, again.packed)
+    assert state["model.layers.0.mlp.up_proj.weight"] is q4  # the state dict itself is left as it is
 
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 31, 33, 64)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -60,6 +61,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer is not None
                                        else _config_eos_ids(loaded.config))
         self._grammar_compiler = None  # built on the first structured-output request
+        self._grammar_compiler_lock = threading.Lock()
         self.mm_processor = MultiModalProcessor(
             loaded.config, config.model, getattr(self.model, "vision", None) is not None,
             config.limit_mm_per_prompt, config.mm_processor_kwargs)
@@ -174,8 +176,10 @@ class LLMEngine:
                          f"'prompt_token_ids', got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request; raises ValueError (and leaves the engine untouched) if it cannot run."""
+                    arrival_time: float | None = None, grammar=None) -> None:
+        """Queue a request; raises ValueError (and leaves the engine untouched) if it cannot run. `grammar`:
+        params.structured_outputs compiled beforehand by `compile_grammar`, as a server does on another thread
+        so that a grammar slow to compile does not hold up the steps of the requests in flight."""
         params = params or SamplingParams()
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -183,7 +187,8 @@ class LLMEngine:
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         ids, mm_features = self.mm_processor.process(ids, mm_data)
         self._validate_prompt(ids)
-        grammar = self._compile_grammar(params.structured_outputs)
+        if grammar is None:
+            grammar = self.compile_grammar(params.structured_outputs)
         arrival_time = time.time() if arrival_time is None else arrival_time
         children = self._child_params(request_id, params)
         self.output_processor.add_request(request_id, text, ids, children, arrival_time)
@@ -203,17 +208,18 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[0]}")
 
-    def _compile_grammar(self, structured):
+    def compile_grammar(self, structured):
         """The compiled grammar of a request's structured_outputs (cached by spec), or None; ValueError for
-        a spec the grammar engine refuses."""
+        a spec the grammar engine refuses. Thread-safe."""
         if structured is None:
             return None
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer, but skip_tokenizer_init=True")
-        if self._grammar_compiler is None:
-            from specserve.structured.grammar import GrammarCompiler
+        with self._grammar_compiler_lock:
+            if self._grammar_compiler is None:
+                from specserve.structured.grammar import GrammarCompiler
 
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
         try:
             return self._grammar_compiler.compile(structured.kind, structured.spec)
         except ValueError as exc:

@@ -122,7 +122,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        message = str(exc.detail)
+        if isinstance(exc.__cause__, RecursionError):  # raised by the body parser's json.loads
+            message = "the request body is not valid JSON: it nests objects and arrays too deeply to decode"
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
@@ -134,7 +137,8 @@ def describe_validation_error(errors) -> tuple[str, str | None]:
     """(message, param) for pydantic's errors: param is the top-level body field at fault."""
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    # A union field gets one error per alternative: the one whose type the value has says what is wrong with it.
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
     loc = [part for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None

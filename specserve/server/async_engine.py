@@ -8,6 +8,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
@@ -16,6 +17,9 @@ from specserve.engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 _ACCEPTED = object()  # first item on a stream once the engine has taken the request
+# Threads that compile requests' grammars before they reach the engine thread: compiling takes from a millisecond
+# to seconds, and more at once would only share the same cores.
+NUM_ADMISSION_THREADS = 2
 
 
 class QueueFullError(RuntimeError):
@@ -81,6 +85,7 @@ class _Add:
     prompt: object
     params: object
     arrival_time: float
+    grammar: object = None  # params.structured_outputs, compiled
 
 
 @dataclass
@@ -125,10 +130,12 @@ class OutputStreams:
 
 
 class AsyncLLM(OutputStreams):
-    """Serve an `LLMEngine` (or anything with its add/abort/step methods) to asyncio code.
+    """Serve an `LLMEngine` (or anything with its add/abort/step and compile_grammar methods) to asyncio code.
 
-    `max_waiting_requests` bounds the requests that are queued but not yet scheduled; past it `add_request`
-    raises QueueFullError. None = unbounded.
+    A request's grammar is compiled on admission threads before the request reaches the engine thread, so a
+    grammar slow to compile holds up only its own request. Whatever a request's admission raises fails that
+    request alone. `max_waiting_requests` bounds the requests that are queued but not yet scheduled (those
+    compiling included); past it `add_request` raises QueueFullError. None = unbounded.
     """
 
     def __init__(self, engine, max_waiting_requests: int | None = None, stat_logger: StatLogger | None = None):
@@ -145,6 +152,7 @@ class AsyncLLM(OutputStreams):
         self._num_pending_adds = 0
         self._accepting = False
         self._thread: threading.Thread | None = None
+        self._admission = ThreadPoolExecutor(NUM_ADMISSION_THREADS, thread_name_prefix="specserve-admission")
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,6 +174,7 @@ class AsyncLLM(OutputStreams):
         """Refuse new requests, let in-flight ones finish for up to `drain_timeout` seconds, abort the rest
         (their streams raise RequestAbortedError) and stop the engine thread."""
         self._accepting = False
+        self._admission.shutdown(wait=False, cancel_futures=True)
         if self._thread is None or not self._thread.is_alive():
             return
         deadline = time.monotonic() + drain_timeout
@@ -178,13 +187,22 @@ class AsyncLLM(OutputStreams):
 
     # ---- requests (event loop side) ---------------------------------------------------------------
     async def add_request(self, request_id: str, prompt, params) -> RequestStream:
-        """Queue a request and wait until the engine has taken it; raises the engine's ValueError for a
-        request it refuses, QueueFullError when too many are waiting, EngineDeadError when stopped."""
+        """Compile the request's grammar, queue the request and wait until the engine has taken it; raises the
+        engine's ValueError for a request it refuses, RequestFailedError when admitting it failed otherwise,
+        QueueFullError when too many are waiting, EngineDeadError when stopped."""
         self._check_can_add()
-        stream = RequestStream(request_id, asyncio.get_running_loop())
+        arrival_time = time.time()
         with self._lock:
             self._num_pending_adds += 1
-        self._commands.put(_Add(stream, prompt, params, time.time()))
+        try:
+            grammar = await self._compile_grammar(params)
+            self._check_running()  # it may have stopped meanwhile: nobody would answer the add
+        except BaseException:
+            with self._lock:
+                self._num_pending_adds -= 1
+            raise
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        self._commands.put(_Add(stream, prompt, params, arrival_time, grammar))
         try:
             first = await stream.queue.get()
         except asyncio.CancelledError:
@@ -196,13 +214,31 @@ class AsyncLLM(OutputStreams):
         return stream
 
     def _check_can_add(self) -> None:
+        self._check_running()
+        limit = self.max_waiting_requests
+        if limit is not None and self._num_pending_adds + self.snapshot.num_waiting >= limit:
+            raise QueueFullError(f"{limit} requests are already waiting to be scheduled; retry later")
+
+    def _check_running(self) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine failed: {self.error!r}")
         if not self._accepting:
             raise EngineDeadError("the server is shutting down" if self._thread else "the engine is not started")
-        limit = self.max_waiting_requests
-        if limit is not None and self._num_pending_adds + self.snapshot.num_waiting >= limit:
-            raise QueueFullError(f"{limit} requests are already waiting to be scheduled; retry later")
+
+    async def _compile_grammar(self, params):
+        """params.structured_outputs compiled on an admission thread (None without one); the engine's ValueError
+        for a spec it refuses, RequestFailedError for any other failure."""
+        structured = getattr(params, "structured_outputs", None)
+        if structured is None:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._admission, self.engine.compile_grammar, structured)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one request's grammar fails that request alone
+            logger.exception("compiling a request's structured_outputs failed")
+            raise RequestFailedError(f"compiling structured_outputs failed: {exc!r}") from exc
 
     def abort(self, request_id: str) -> None:
         """Thread-safe and idempotent: frees the request's KV blocks on the engine thread."""
@@ -243,15 +279,27 @@ class AsyncLLM(OutputStreams):
     def _add(self, cmd: _Add) -> None:
         stream = cmd.stream
         try:
-            self.engine.add_request(stream.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
+            self.engine.add_request(stream.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
+                                    grammar=cmd.grammar)
         except ValueError as exc:
             stream.put(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever one request's admission raises fails it alone
+            logger.exception("admitting request %s failed", stream.request_id)
+            self._forget(stream.request_id)
+            stream.put(RequestFailedError(f"the engine could not admit the request: {exc!r}"))
         else:
             self._streams[stream.request_id] = stream
             stream.put(_ACCEPTED)
         finally:
             with self._lock:
                 self._num_pending_adds -= 1
+
+    def _forget(self, request_id: str) -> None:
+        """Drop whatever a failed add left of the request in the engine."""
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:  # noqa: BLE001 - the add failed before the engine held anything to abort
+            logger.exception("cleaning up after request %s failed", request_id)
 
     def _abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is None:

@@ -9,9 +9,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from specserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from specserve.structured.grammar import check_json_value, parse_json
 
 # torch.Generator.manual_seed takes anything in [-2^63, 2^64).
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1
@@ -20,11 +21,22 @@ MAX_N = 128
 # it, so the server takes these narrower ranges than SamplingParams (top_p this small is greedy anyway).
 MIN_TOP_P = 1e-6
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+# Each stop string is searched for after every token, on the engine thread (100,000 of them take 15 ms a token).
+MAX_STOP_STRINGS = 256
 
 
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored (OpenAI clients send e.g. `store`, `metadata`); NaN and inf are refused.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def bounded_json(value: Any) -> Any:
+    """A field that takes any JSON (a schema, or its text): refused when it nests or holds more objects and
+    arrays than a grammar may (structured.grammar's limits), before anything walks it recursively (repr, json,
+    a chat template, the grammar compiler)."""
+    if value is not None:
+        check_json_value(parse_json(value, "the JSON text") if isinstance(value, str) else value, "the value")
+    return value
 
 
 # ------------------------------------------------------------------------------------------- errors
@@ -56,6 +68,8 @@ class JsonSchemaFormat(OpenAIModel):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = Field(None, description="accepted; the output always follows the schema")
+
+    _bounded = field_validator("schema_")(bounded_json)
 
 
 class ResponseFormat(OpenAIModel):
@@ -95,7 +109,7 @@ class SamplingFields(OpenAIModel):
     temperature: float | None = Field(None, ge=0, description="default 1.0; 0 = greedy")
     top_p: float | None = Field(None, ge=MIN_TOP_P, le=1)
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
@@ -126,6 +140,8 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = Field(None, description="older name of structured_outputs.regex")
     guided_choice: list[str] | None = Field(None, description="older name of structured_outputs.choice")
     guided_grammar: str | None = Field(None, description="older name of structured_outputs.grammar")
+
+    _bounded = field_validator("structured_outputs", "guided_json")(bounded_json)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams keyword arguments common to both endpoints (None = SamplingParams' default)."""
@@ -240,7 +256,7 @@ def _template_tool_call(call: ToolCall) -> dict:
     """Chat templates (as in transformers) expect a call's arguments as a dict, not OpenAI's JSON string."""
     try:
         arguments = json.loads(call.function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to decode: the text as it is
         arguments = call.function.arguments
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
@@ -250,6 +266,8 @@ class FunctionDefinition(OpenAIModel):
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema; omitted = no arguments")
     strict: bool | None = Field(None, description="accepted; constrained calls always follow the schema")
+
+    _bounded = field_validator("parameters")(bounded_json)
 
 
 class ChatTool(OpenAIModel):

@@ -111,13 +111,16 @@ class ServingContext:
     async def start(self, request_id: str, prompt: dict, params: SamplingParams, param: str,
                     constraint: OutputConstraint | None = None) -> RequestStream:
         """Add the request; a ValueError is a 400 naming `param`, or `constraint`'s field when the engine
-        refused the structured output spec (its errors start "structured_outputs")."""
+        refused the structured output spec (its errors start "structured_outputs"); any other failure to admit
+        it alone is a 500."""
         try:
             return await self.engine.add_request(request_id, prompt, params)
         except ValueError as exc:
             if constraint is not None and str(exc).startswith("structured_outputs"):
                 raise constraint_error(constraint, exc) from exc
             raise bad_request(str(exc), param) from exc
+        except RequestFailedError as exc:
+            raise request_failed(exc) from exc
         except QueueFullError as exc:
             raise APIError(503, str(exc), type="server_overloaded", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from exc

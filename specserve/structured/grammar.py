@@ -6,9 +6,10 @@ docs/structured_output.md has the measurements behind choosing llguidance over x
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import llguidance
 import numpy as np
@@ -17,6 +18,13 @@ import torch
 GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 ADMISSION_FORCED_TOKENS = 64  # forced tokens a new grammar is walked over before it is admitted
 CACHE_SIZE = 256  # compiled grammars kept per compiler; each is a few KiB until a request walks it
+# llguidance compiles by recursing through chains of rules and $refs, 3-8 KiB of stack a link: 2,500 links
+# overflow a default 8 MiB thread stack, which crashes the process. Specs are bounded by MAX_SPEC_ITEMS (the
+# worst chains within it took 33-48 MiB) and compile on a thread with COMPILE_STACK_BYTES of stack (reserved,
+# touched only as used), a 5x margin.
+MAX_SPEC_ITEMS = 10_000  # rules, groups, classes, choices, JSON objects and arrays in one spec
+MAX_JSON_DEPTH = 100  # nesting of objects and arrays in a JSON schema (llguidance's parser stops at 128)
+COMPILE_STACK_BYTES = 256 << 20
 
 # JSON comes out the way json.dumps writes it: ", " and ": " and no other whitespace. With free whitespace a
 # small model can pad forever, and no key of an object would be forced. A schema's "x-guidance" object
@@ -78,18 +86,48 @@ class GrammarCompiler:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        label, grammar = _llguidance_grammar(key)
-        start = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0, limits=_LIMITS)
-        if start.is_error():
-            raise ValueError(f"{label}: {start.get_error().strip()}")
-        compiled = CompiledGrammar(kind, start, self.vocab_size, self.tokenizer_size, self.eos_token_ids)
-        _check_first_step(compiled, label)
+        compiled = _on_compile_stack(self._compile_uncached, key)
         with self._lock:
             compiled = self._cache.setdefault(key, compiled)
             self._cache.move_to_end(key)
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _compile_uncached(self, key: tuple) -> CompiledGrammar:
+        label, grammar = _llguidance_grammar(key)
+        start = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0, limits=_LIMITS)
+        if start.is_error():
+            raise ValueError(f"{label}: {start.get_error().strip()}")
+        compiled = CompiledGrammar(key[0], start, self.vocab_size, self.tokenizer_size, self.eos_token_ids)
+        _check_first_step(compiled, label)
+        return compiled
+
+
+_STACK_SIZE_LOCK = threading.Lock()  # threading.stack_size is process-wide: set and restore it around one start
+
+
+def _on_compile_stack(fn: Callable, *args):
+    """fn(*args) on a new thread with COMPILE_STACK_BYTES of stack; returns its result or raises its exception."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            outcome["error"] = exc
+
+    with _STACK_SIZE_LOCK:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="specserve-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def _check_first_step(compiled: CompiledGrammar, label: str) -> None:
@@ -118,11 +156,13 @@ def _cache_key(kind: str, spec: Any) -> tuple:
         return kind, None
     if kind in ("regex", "grammar"):
         if not isinstance(spec, str) or not spec:
-            raise ValueError(f"{kind}: expected a non-empty string, got {spec!r:.200}")
+            raise ValueError(f"{kind}: expected a non-empty string, got {_short_repr(spec)}")
+        _check_num_items(_num_text_items(spec), kind, "rules, groups and classes")
         return kind, spec
     if kind == "choice":
         if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(s, str) and s for s in spec):
-            raise ValueError(f"choice: expected a non-empty list of non-empty strings, got {spec!r:.200}")
+            raise ValueError(f"choice: expected a non-empty list of non-empty strings, got {_short_repr(spec)}")
+        _check_num_items(len(spec), kind, "strings")
         return kind, tuple(spec)
     raise ValueError(f"unknown structured output kind {kind!r}; expected one of {GRAMMAR_KINDS}")
 
@@ -146,13 +186,67 @@ def _llguidance_grammar(key: tuple) -> tuple[str, str]:
 
 def _json_schema(spec: Any) -> dict:
     if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"json schema: not valid JSON ({e})") from e
+        spec = parse_json(spec, "json schema")
     if not isinstance(spec, dict):
         raise ValueError(f"json schema: expected a JSON object, got {type(spec).__name__}")
+    check_json_value(spec, "json schema")
     return spec
+
+
+def parse_json(text: str, what: str) -> Any:
+    """json.loads, with ValueError naming `what` for invalid JSON and for nesting too deep to decode."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: not valid JSON ({e})") from e
+    except RecursionError:
+        raise ValueError(f"{what} {_TOO_DEEP}") from None
+
+
+def check_json_value(value: Any, what: str) -> None:
+    """ValueError naming `what` unless decoded JSON `value` nests objects and arrays at most MAX_JSON_DEPTH deep
+    and holds at most MAX_SPEC_ITEMS of them: deeper values break recursive encoders and decoders (json,
+    repr, llguidance's parser), and larger ones compile too deep a grammar. Iterative, so any value is safe."""
+    pending, num_items = [(value, 1)], 0
+    while pending:
+        node, depth = pending.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"{what} {_TOO_DEEP}")
+        num_items += 1
+        _check_num_items(num_items, what, "objects and arrays")
+        pending.extend((child, depth + 1) for child in children)
+
+
+_TOO_DEEP = f"nests objects and arrays more than {MAX_JSON_DEPTH} levels deep; at most {MAX_JSON_DEPTH} are allowed"
+
+
+# A Lark rule or terminal (`name:`, `?name.2:`, `NAME:`) or a GBNF rule (`name ::=`) starts a line.
+_DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*[ \t]*(::=|:)", re.MULTILINE)
+
+
+def _num_text_items(text: str) -> int:
+    """An upper bound on what a regex or grammar can chain or nest: its definitions, groups, classes and
+    braces (`{` also opens the JSON of an inline `%json` schema)."""
+    return len(_DEFINITION.findall(text)) + sum(text.count(c) for c in "([{")
+
+
+def _check_num_items(num_items: int, what: str, items: str) -> None:
+    if num_items > MAX_SPEC_ITEMS:
+        raise ValueError(f"{what} holds more than {MAX_SPEC_ITEMS} {items}; at most {MAX_SPEC_ITEMS} are allowed")
+
+
+def _short_repr(value: Any) -> str:
+    """The start of repr(value) for an error message, even for a value too deep for repr."""
+    try:
+        return f"{value!r:.200}"
+    except RecursionError:
+        return f"a deeply nested {type(value).__name__}"
 
 
 class GrammarError(RuntimeError):

@@ -37,7 +37,7 @@ class FakeEngine:
         self.scheduler = self
         self.metrics = EngineMetrics()
 
-    def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt, params, arrival_time=None, grammar=None) -> None:
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else [ord(c) for c in prompt]
         if not ids:
             raise ValueError("prompt must not be empty")
@@ -46,6 +46,9 @@ class FakeEngine:
         self.requests[request_id] = (ids, params, out)
         self.order.append(request_id)
         self.metrics.num_prompt_tokens += len(ids)
+
+    def compile_grammar(self, structured):
+        return structured
 
     def abort_request(self, request_id) -> None:
         if self.requests.pop(request_id, None) is not None:

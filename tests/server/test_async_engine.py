@@ -1,4 +1,5 @@
-"""AsyncLLM over a fake engine: streaming, refusals, the waiting-queue bound, aborts, failure and shutdown."""
+"""AsyncLLM over a fake engine: streaming, refusals, the waiting-queue bound, aborts, failure and shutdown, and
+a request whose admission raises failing alone (in AsyncLLM and in a replica's loop)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,10 @@ import time
 import pytest
 
 from specserve.sampling_params import SamplingParams
-from specserve.server.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestAbortedError
+from specserve.server.async_engine import (
+    AsyncLLM, EngineDeadError, QueueFullError, RequestAbortedError, RequestFailedError)
+from specserve.server.replicas.loop import ReplicaLoop
+from specserve.server.replicas.protocol import AddCommand, ReplicaUpdate
 from tests.server.fake_engine import FakeEngine
 
 
@@ -153,3 +157,55 @@ def test_engine_failure_fails_in_flight_and_new_requests():
         await llm.shutdown()
 
     run(main())
+
+
+class _FailingAdmission(FakeEngine):
+    """A FakeEngine whose add_request raises something other than ValueError for prompts starting "raise"."""
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, grammar=None) -> None:
+        if prompt.startswith("raise"):
+            raise RecursionError("maximum recursion depth exceeded (injected)")
+        super().add_request(request_id, prompt, params, arrival_time, grammar)
+
+
+@pytest.mark.parametrize("stage", ["add", "compile"])
+def test_any_exception_admitting_a_request_fails_that_request_alone(stage, monkeypatch):
+    """Whatever admitting one request raises (here a RecursionError, as json.loads raises for a deeply nested
+    schema), on the engine thread or while its grammar compiles, that request fails and the others go on."""
+    engine = _FailingAdmission()
+
+    def failing_compile(structured):
+        raise RecursionError("maximum recursion depth exceeded (injected)")
+
+    monkeypatch.setattr(engine, "compile_grammar", failing_compile)
+
+    async def main():
+        llm = await started(engine)
+        running = asyncio.ensure_future(collect(llm, "running", 50))
+        await asyncio.sleep(0.02)
+        prompt, params = ("raise", SamplingParams()) if stage == "add" else ("hi", SamplingParams(
+            structured_outputs={"regex": "a+"}))
+        with pytest.raises(RequestFailedError, match="RecursionError") as failed:
+            await asyncio.wait_for(llm.add_request("hostile", prompt, params), 5)
+        later = await collect(llm, "later", 3)
+        outs = await running
+        assert llm.is_running
+        await llm.shutdown()
+        return failed.value, outs, later
+
+    failed, outs, later = run(main())
+    assert not failed.from_input
+    assert outs[-1].outputs[0].text == "a" * 50 and later[-1].outputs[0].text == "aaa"
+
+
+def test_a_replica_fails_a_request_whose_admission_raises_alone():
+    """The replica loop's counterpart: the request is reported failed (the router answers 500), the loop goes on
+    and serves the next request."""
+    engine = _FailingAdmission()
+    loop = ReplicaLoop(engine, send=lambda update: None)
+    update = ReplicaUpdate()
+    loop._apply(AddCommand("hostile", "raise", SamplingParams(), 0.0), update)
+    loop._apply(AddCommand("next", "hi", SamplingParams(max_tokens=2), 0.0), update)
+    assert [rid for rid, _ in update.failed] == ["hostile"] and "RecursionError" in update.failed[0][1]
+    assert update.accepted == ["next"] and not update.refused
+    assert engine.step()[0].request_id == "next"

@@ -3,6 +3,9 @@ text that the spec's own reference accepts (jsonschema_rs, re.fullmatch), and th
 (accept, validate, rollback, draft masks, forced tokens) agree with stepping one token at a time."""
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema_rs
 import pytest
@@ -321,3 +324,59 @@ def test_mask_width_is_the_models_vocab(tokenizer, compiler):
 
 def test_all_kinds_are_covered():
     assert set(GRAMMAR_KINDS) == {"json", "json_object", "regex", "choice", "grammar"}
+
+
+def _rule_chain(num_rules: int) -> str:
+    """A Lark grammar whose rules each refer to the next: llguidance recurses once per link."""
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(num_rules)) + f'r{num_rules}: "a"'
+
+
+def _ref_chain(num_links: int) -> dict:
+    """A JSON schema of arrays whose items refer to the next definition, num_links deep."""
+    defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(num_links)}
+    return {"$defs": {**defs, f"d{num_links}": {"type": "string"}}, "$ref": "#/$defs/d0"}
+
+
+def _nested_dict(depth: int) -> dict:
+    value: dict = {"type": "string"}
+    for _ in range(depth):
+        value = {"anyOf": [value]}
+    return value
+
+
+@pytest.mark.parametrize("kind, spec, message", [
+    ("json", "[" * 100_000 + "]" * 100_000, "json schema nests objects and arrays more than 100 levels"),
+    ("json", _nested_dict(60), "json schema nests objects and arrays more than 100 levels"),
+    ("regex", "(a)" * 10_001, "regex holds more than 10000 rules, groups and classes"),
+    ("choice", [f"w{i}" for i in range(10_001)], "choice holds more than 10000 strings"),
+], ids=["deep-json-text", "deep-schema", "many-groups", "many-choices"])
+def test_specs_past_the_limits_are_refused_naming_the_limit(compiler, kind, spec, message):
+    """A JSON text nested too deep to decode is a ValueError like any bad spec, not a RecursionError."""
+    with pytest.raises(ValueError, match=message):
+        compiler.compile(kind, spec)
+
+
+_CHAINS_SCRIPT = """
+import pytest
+from specserve.structured.grammar import GrammarCompiler
+from specserve.tokenizer import load_tokenizer
+from tests.structured.test_grammar import _ref_chain, _rule_chain
+tokenizer = load_tokenizer(None)
+compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+assert compiler.compile("grammar", _rule_chain(9_990)).kind == "grammar"
+assert compiler.compile("json", _ref_chain(4_990)).kind == "json"
+with pytest.raises(ValueError, match="grammar holds more than 10000 rules, groups and classes"):
+    compiler.compile("grammar", _rule_chain(20_000))
+with pytest.raises(ValueError, match="json schema holds more than 10000 objects and arrays"):
+    compiler.compile("json", _ref_chain(20_000))
+print("all compiled or refused")
+"""
+
+
+def test_rule_and_ref_chains_compile_or_are_refused_without_overflowing_the_stack():
+    """Chains of rules and of $refs just inside the limits (far past the ~2,500 links an 8 MiB stack holds)
+    compile, longer ones are refused; in a child process, whose crash would otherwise end the test run."""
+    result = subprocess.run([sys.executable, "-c", _CHAINS_SCRIPT], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).parents[2])
+    assert result.returncode == 0 and "all compiled or refused" in result.stdout, \
+        (result.returncode, result.stderr[-2000:])

@@ -126,7 +126,7 @@ def test_drafts_the_grammar_refuses_are_cut_before_verification(folder):
     llm = LLM(model=folder, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                                 "adaptive_draft_length": False}, **ENGINE)
     runner = llm.llm_engine.runner
-    compiled = llm.llm_engine._compile_grammar(structured)
+    compiled = llm.llm_engine.compile_grammar(structured)
     refused = llm.get_tokenizer().encode("zzz", add_special_tokens=False)[0]
     cut = []
 
@@ -215,14 +215,14 @@ def test_random_sampling_keeps_the_masked_target_distribution(spec, folder, near
     prompt = _prompts(1)[0]
     structured = StructuredOutputsParams(choice=_choices_near_the_model(llm, prompt))
     temperature, eos = 0.5, 2
-    exact = _exact_distribution(llm, prompt, llm.llm_engine._compile_grammar(structured), eos, temperature)
+    exact = _exact_distribution(llm, prompt, llm.llm_engine.compile_grammar(structured), eos, temperature)
     assert abs(sum(exact.values()) - 1) < 1e-3 and sum(p > 0.05 for p in exact.values()) >= 2
     n = 1500
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=16, structured_outputs=structured)
               for i in range(n)]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     counts = collections.Counter(tuple(o.outputs[0].token_ids) for o in outs)
-    matcher = GrammarMatcher(llm.llm_engine._compile_grammar(structured))
+    matcher = GrammarMatcher(llm.llm_engine.compile_grammar(structured))
     assert all(matcher.validate(list(ids)) == len(ids) for ids in counts)  # nothing outside the grammar
     # by choice (the text, whatever its spelling in tokens), then each likely spelling on its own
     tok, by_text = llm.get_tokenizer(), collections.Counter()

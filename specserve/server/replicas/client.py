@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from specserve.config import EngineConfig
 from specserve.server.async_engine import (
-    EngineDeadError, EngineSnapshot, OutputStreams, QueueFullError, RequestAbortedError, RequestStream, StatLogger)
+    EngineDeadError, EngineSnapshot, OutputStreams, QueueFullError, RequestAbortedError, RequestFailedError,
+    RequestStream, StatLogger)
 from specserve.server.replicas.loop import EngineFactory
 from specserve.server.replicas.protocol import (
     AbortCommand, AddCommand, OutputAssembler, ReplicaReady, ReplicaUpdate)
@@ -296,6 +297,10 @@ class ReplicaClient(OutputStreams):
             if tracked is not None:
                 self._fail(tracked, RequestAbortedError(f"replica {index} refused the request: {message}"),
                            ValueError(message))
+        for request_id, message in update.failed:
+            tracked = self._mine(index, request_id)
+            if tracked is not None:
+                self._fail(tracked, RequestFailedError(message), RequestFailedError(message))
         for delta in update.outputs:
             tracked = self._mine(index, delta.request_id)
             if tracked is None:  # aborted, or moved, meanwhile

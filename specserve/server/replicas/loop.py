@@ -87,6 +87,8 @@ class ReplicaLoop:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
             except ValueError as exc:
                 update.refused.append((cmd.request_id, str(exc)))
+            except Exception as exc:  # noqa: BLE001 - whatever one request's admission raises fails it alone
+                self._fail_add(cmd.request_id, exc, update)
             else:
                 self.request_ids.add(cmd.request_id)
                 update.accepted.append(cmd.request_id)
@@ -97,6 +99,14 @@ class ReplicaLoop:
                 self.encoder.forget(cmd.request_id)
         else:
             raise TypeError(f"unknown replica command {cmd!r}")
+
+    def _fail_add(self, request_id: str, exc: Exception, update: ReplicaUpdate) -> None:
+        logger.exception("admitting request %s failed", request_id)
+        update.failed.append((request_id, f"the engine could not admit the request: {exc!r}"))
+        try:
+            self.engine.abort_request(request_id)  # whatever the failed add left behind
+        except Exception:  # noqa: BLE001 - the add failed before the engine held anything to abort
+            logger.exception("cleaning up after request %s failed", request_id)
 
     def _encode(self, out):
         if out.finished:

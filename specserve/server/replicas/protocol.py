@@ -88,6 +88,7 @@ class ReplicaUpdate:
 
     accepted: list[str] = field(default_factory=list)  # request ids the engine took
     refused: list[tuple[str, str]] = field(default_factory=list)  # (request id, the engine's ValueError text)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, what else its admission raised)
     outputs: list[OutputDelta] = field(default_factory=list)
     snapshot: EngineSnapshot | None = None  # the replica's load and counters after the iteration
 

@@ -91,3 +91,38 @@ def wait_for_metric(url: str, name: str, predicate, timeout: float = 30, **label
         if time.monotonic() > deadline:
             raise AssertionError(f"{name}{labels or ''} stayed at {value} for {timeout} s")
         time.sleep(0.2)
+
+
+def hostile_server(speculative_config: str) -> ServerProcess:
+    """The default model served small (512 tokens, 64 MiB of KV) with `speculative_config`, for suites that send
+    hostile requests and probe that the server still answers plainly."""
+    return ServerProcess("--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20),
+                         "--speculative-config", speculative_config)
+
+
+def completion_text(url: str, body: dict, timeout: float = 60) -> str:
+    """The text of one completion, asserting it succeeded."""
+    r = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+    assert r.status_code == 200, r.text[:500]
+    return r.json()["choices"][0]["text"]
+
+
+def assert_never_reset(url: str) -> None:
+    """No case may have taken the engine down to a reset: each failed alone or was refused."""
+    assert scrape(url)[("specserve:num_engine_restarts_total", frozenset())] == 0
+
+
+def app_over(engine, model: str):
+    """(AsyncLLM, ASGI app) of the OpenAI server over an in-process `engine`, served under the name `model`
+    (the AsyncLLM not started yet)."""
+    from specserve.server.api_server import build_app
+    from specserve.server.async_engine import AsyncLLM
+    from specserve.server.metrics import ServerMetrics
+    from specserve.server.serving import ServingContext
+
+    async_engine = AsyncLLM(engine)
+    metrics = ServerMetrics(async_engine, model)
+    async_engine.stat_logger = metrics
+    ctx = ServingContext(async_engine, engine.tokenizer, [model], engine.max_model_len,
+                         engine.model.config.vocab_size)
+    return async_engine, build_app(ctx, metrics)

@@ -15,13 +15,11 @@ import torch
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
 from specserve.sampling_params import SamplingParams, StructuredOutputsParams
-from specserve.server.api_server import build_app
 from specserve.server.async_engine import AsyncLLM
-from specserve.server.metrics import ServerMetrics
-from specserve.server.serving import ServingContext
 from specserve.structured.grammar import GrammarCompiler
 from specserve.tokenizer import load_tokenizer
 from tests.tiny_models import tiny_hf_model
+from tests.server.helpers import app_over
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 2048
@@ -171,12 +169,7 @@ HOSTILE_BODIES = {
 @pytest.fixture(scope="module")
 def served(engine):
     """An event loop running the app over `engine`, and a client calling it from this thread."""
-    async_engine = AsyncLLM(engine)
-    metrics = ServerMetrics(async_engine, MODEL)
-    async_engine.stat_logger = metrics
-    ctx = ServingContext(async_engine, engine.tokenizer, [MODEL], engine.max_model_len,
-                         engine.model.config.vocab_size)
-    app = build_app(ctx, metrics)
+    async_engine, app = app_over(engine, MODEL)
     loop = asyncio.new_event_loop()
     async_engine.start()
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30)

@@ -13,12 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
-from specserve.server.api_server import build_app
-from specserve.server.async_engine import AsyncLLM
-from specserve.server.metrics import ServerMetrics
-from specserve.server.serving import ServingContext
 from specserve.spec_decode.suffix import SuffixProposer
 from specserve.structured.grammar import GrammarError, GrammarMatcher
+from tests.server.helpers import app_over
 
 MODEL = "SmolLM2-135M-Instruct"
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
@@ -35,12 +32,7 @@ def engine():
 
 def serve(engine, scenario):
     """Run `scenario(client)` against the app over `engine`; returns what it returns."""
-    async_engine = AsyncLLM(engine)
-    metrics = ServerMetrics(async_engine, MODEL)
-    async_engine.stat_logger = metrics
-    ctx = ServingContext(async_engine, engine.tokenizer, [MODEL], engine.max_model_len,
-                         engine.model.config.vocab_size)
-    app = build_app(ctx, metrics)
+    async_engine, app = app_over(engine, MODEL)
 
     async def main():
         async_engine.start()

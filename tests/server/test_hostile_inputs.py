@@ -38,7 +38,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.helpers import ServerProcess, scrape
+from tests.server.helpers import assert_never_reset, completion_text, hostile_server
 
 MODEL = "SmolLM2-135M-Instruct"
 TIMEOUT_S = 60
@@ -51,23 +51,20 @@ FUZZ = settings(max_examples=30, deadline=None, derandomize=True, database=None,
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess("--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20),
-                         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
+    proc = hostile_server('{"method": "ngram", "num_speculative_tokens": 2}')
     yield proc
     proc.stop()
 
 
 @pytest.fixture(scope="module")
 def plain_text(server) -> str:
-    r = httpx.post(server.url + "/v1/completions", json=PROBE, timeout=TIMEOUT_S)
-    assert r.status_code == 200
-    return r.json()["choices"][0]["text"]
+    return completion_text(server.url, PROBE, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def never_reset(server):
     yield
-    assert scrape(server.url)[("specserve:num_engine_restarts_total", frozenset())] == 0
+    assert_never_reset(server.url)
 
 
 def _send(server, path: str, body: dict, value_text: str | None = None) -> httpx.Response:

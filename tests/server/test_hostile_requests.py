@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.helpers import ServerProcess, scrape
+from tests.server.helpers import assert_never_reset, completion_text, hostile_server
 
 MODEL = "SmolLM2-135M-Instruct"
 TIMEOUT_S = 60
@@ -23,24 +23,21 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess("--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20),
-                         "--speculative-config", '{"method": "auto"}')
+    proc = hostile_server('{"method": "auto"}')
     yield proc
     proc.stop()
 
 
 @pytest.fixture(scope="module")
 def plain_text(server) -> str:
-    r = httpx.post(server.url + "/v1/completions", json=PROBE, timeout=TIMEOUT_S)
-    assert r.status_code == 200
-    return r.json()["choices"][0]["text"]
+    return completion_text(server.url, PROBE, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def never_reset(server):
     """No generated case may take the engine down to a reset: each fails alone or is refused."""
     yield
-    assert scrape(server.url)[("specserve:num_engine_restarts_total", frozenset())] == 0
+    assert_never_reset(server.url)
 
 
 # ---- strategies ---------------------------------------------------------------------------------------------

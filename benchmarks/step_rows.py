@@ -14,6 +14,7 @@ memory rate, plus each row's multiply-adds (the int8 digits times the decoder's 
 terms times the head's) at the measured AVX512-VNNI rate (64 per vpdpbusd), and each step's ratio to it.
 
     .venv/bin/python benchmarks/step_rows.py --sizes 1,2,5,9,17 --components --bound
+    .venv/bin/python benchmarks/step_rows.py --model qwen2.5-coder-1.5b-instruct --sizes 1,2,5,9,17,33 --components
 """
 from __future__ import annotations
 
@@ -101,12 +102,13 @@ def main() -> None:
     p.add_argument("--bound", action="store_true", help="the bytes' time plus the multiply-adds at the VNNI rate")
     p.add_argument("--gguf-dequantize", action="store_true", help="fp32 weights instead of GGUF blocks")
     p.add_argument("--gguf-compute", default="int8", choices=GGUF_COMPUTE)
+    p.add_argument("--model", default=None, help="a path or catalog name (default: the default model)")
     args = p.parse_args()
 
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = select_per_category(read_specbench(args.dataset), args.categories.split(","), args.prompts)
     spec = {"method": "ngram", "num_speculative_tokens": max(sizes) - 1, "adaptive_draft_length": False}
-    llm = LLM(max_num_seqs=1, max_model_len=4096, gguf_dequantize=args.gguf_dequantize,
+    llm = LLM(model=args.model, max_num_seqs=1, max_model_len=4096, gguf_dequantize=args.gguf_dequantize,
               gguf_compute=args.gguf_compute, speculative_config=spec)
     prompts = render_prompts(llm.get_tokenizer(), rows)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from specserve.llm import LLM
-from specserve.sampling_params import SamplingParams
-from tests.multimodal.tiny_vl import image_prompt, save_tiny_vl, tiny_vl
-from tests.tiny_models import save_hf_folder, tiny_hf_model
+pytest.importorskip("transformers", reason="the tiny random models come from transformers (pip install '.[test]')")
+
+from specserve.llm import LLM  # noqa: E402
+from specserve.sampling_params import SamplingParams  # noqa: E402
+from tests.multimodal.tiny_vl import image_prompt, save_tiny_vl, tiny_vl  # noqa: E402
+from tests.tiny_models import save_hf_folder, tiny_hf_model  # noqa: E402
 
 # Prefix caching on (the default), prompts prefilled in chunks of CHUNK tokens, blocks of 8.
 CHUNK = 32

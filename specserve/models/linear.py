@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from specserve.models import openblas
 from specserve.models.gguf_quant import INT8_ACTIVATION_FORMATS, QuantizedWeight
-from specserve.ops import kernels
+from specserve.ops import greedy_screen, kernels
 from specserve.ops.int8_routes import Int8Call
 
 logger = logging.getLogger(__name__)
@@ -306,21 +306,21 @@ class FastLinear(torch.nn.Module):
         fp32 is several times the file's size)."""
         wq = self._wq
         if wq is None:
-            return kernels.pack_argmax_screen(self.dense_weight())
-        return kernels.pack_argmax_screen_rows(wq.shape, lambda start, end: kernels.weight_rows(
+            return greedy_screen.pack_argmax_screen(self.dense_weight())
+        return greedy_screen.pack_argmax_screen_rows(wq.shape, lambda start, end: kernels.weight_rows(
             wq.packed, wq.weight_format, wq.shape[1], torch.arange(start, end)))
 
     def argmax(self, x: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, in] -> [M] int64, exactly ``self(x).argmax(-1)`` (see kernels.lm_head_argmax), or with allowed
-        [M, out] bool the argmax over the allowed columns; after ``enable_exact_argmax``, a quarter of the
-        weight bytes for a greedy step's LM head."""
+        """x [M, in] -> [M] int64, exactly ``self(x).argmax(-1)`` (see greedy_screen.lm_head_argmax), or with
+        allowed [M, out] bool the argmax over the allowed columns; after ``enable_exact_argmax``, a quarter of
+        the weight bytes for a greedy step's LM head."""
         x = x.reshape(-1, self.in_features).contiguous()
         if self._screen is None:
             y = self(x)
             return kernels.argmax_rows(y if allowed is None else y.masked_fill(~allowed, float("-inf")))
         weight, weight_format = self._gemm_weight()
-        return kernels.lm_head_argmax(x, weight, *self._screen, allowed=None if allowed is None else allowed.contiguous(),
-                                      weight_format=weight_format)
+        allowed = None if allowed is None else allowed.contiguous()
+        return greedy_screen.lm_head_argmax(x, weight, *self._screen, allowed=allowed, weight_format=weight_format)
 
     def _gemm_weight(self) -> tuple[torch.Tensor, tuple[int, int]]:
         """(packed weight, (format, group)) of the C GEMM's fp32 or GGUF path, as kernels.gemm_weight takes it."""

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.ops import int8_routes, kernels
+from specserve.ops import greedy_screen, int8_routes, kernels
 from specserve.ops.int8_routes import Int8Call, RouteTable
 from tests.kernel_support import int8_paths_to_test, requires_c_kernels
 from tests.ops.test_gemm_q4_i8 import random_q4
@@ -60,7 +60,7 @@ def test_the_lm_head_screen_is_routed_by_its_rows_with_the_same_argmax(restore_r
     torch.manual_seed(3)
     n, k = 300, 96
     weight = torch.randn(n, k)
-    screen = kernels.pack_argmax_screen(weight)
+    screen = greedy_screen.pack_argmax_screen(weight)
     packed = kernels.pack_gemm_weight(weight)
     x = torch.randn(40, k)
     want = torch.argmax(x @ weight.T, dim=-1)
@@ -68,7 +68,7 @@ def test_the_lm_head_screen_is_routed_by_its_rows_with_the_same_argmax(restore_r
     kernels.set_int8_routes("screen", table)
     for rows in range(1, 41):
         before = kernels.int8_route_calls("screen")[table[rows - 1]]
-        got = kernels.lm_head_argmax(x[:rows], packed, *screen)
+        got = greedy_screen.lm_head_argmax(x[:rows], packed, *screen)
         assert kernels.int8_route_calls("screen")[table[rows - 1]] == before + 1, rows
         assert torch.equal(got, want[:rows]), (rows, table[rows - 1])
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from specserve.ops import kernels
+from specserve.ops import greedy_screen, kernels
 from tests.kernel_support import int8_path, int8_paths_to_test, requires_c_kernels
 
 
@@ -158,7 +158,7 @@ def _lm_head_case(seed: int, n: int = 3000, k: int = 96):
     w[7] = w[1900]  # an exact tie between two columns: the first must win
     w[2500] = w[400]
     w[2500, 5] = torch.nextafter(w[400, 5], torch.tensor(1.0))  # a one-ulp near-tie
-    return g, w, kernels.pack_gemm_weight(w), kernels.pack_argmax_screen(w)
+    return g, w, kernels.pack_gemm_weight(w), greedy_screen.pack_argmax_screen(w)
 
 
 @requires_c_kernels
@@ -176,8 +176,8 @@ def test_lm_head_argmax_is_the_argmax_of_the_fp32_logits(seed):
             for rows in (0, 1, 3, 9, 13, 40):
                 xr = x[:rows].contiguous()
                 expected = kernels.gemm_packed(xr, packed, None, w.shape[0]).argmax(dim=-1)
-                assert torch.equal(kernels.lm_head_argmax(xr, packed, *screen), expected), (path, rows)
-            assert kernels.lm_head_argmax(x[3:5].contiguous(), packed, *screen).tolist()[0] == 7
+                assert torch.equal(greedy_screen.lm_head_argmax(xr, packed, *screen), expected), (path, rows)
+            assert greedy_screen.lm_head_argmax(x[3:5].contiguous(), packed, *screen).tolist()[0] == 7
 
 
 @requires_c_kernels
@@ -199,11 +199,11 @@ def test_lm_head_argmax_under_a_mask_is_the_argmax_of_the_masked_logits(seed):
     allowed[3] = True
     allowed[3, 7] = False  # the tied maximum's first column (7) refused: its twin (1900) wins
     expected = logits.masked_fill(~allowed, float("-inf")).argmax(dim=-1)
-    assert torch.equal(kernels.lm_head_argmax(x, packed, *screen, allowed=allowed), expected)
+    assert torch.equal(greedy_screen.lm_head_argmax(x, packed, *screen, allowed=allowed), expected)
     assert expected[3] == 1900 and expected[5] == 1234 and expected[6] == 0
     for rows in (1, 5, 12):
         xr, ar = x[:rows].contiguous(), allowed[:rows].contiguous()
-        assert torch.equal(kernels.lm_head_argmax(xr, packed, *screen, allowed=ar), expected[:rows])
+        assert torch.equal(greedy_screen.lm_head_argmax(xr, packed, *screen, allowed=ar), expected[:rows])
 
 
 @requires_c_kernels
@@ -218,13 +218,13 @@ def test_lm_head_argmax_on_ragged_shapes_and_outlier_activations(n, k):
     x[:, 0] *= 40.0  # one outlier dimension in every row
     x[5:9, k // 2] = -300.0
     x[10] = 0.0
-    packed, screen = kernels.pack_gemm_weight(w), kernels.pack_argmax_screen(w)
+    packed, screen = kernels.pack_gemm_weight(w), greedy_screen.pack_argmax_screen(w)
     for path in int8_paths_to_test():  # k = 5, 61, 64: the AMX screen's 64-byte chunks whole, partial, absent
         with int8_path(path):
             for rows in (1, 2, 9, 24):
                 xr = x[:rows].contiguous()
                 expected = kernels.gemm_packed(xr, packed, None, n).argmax(dim=-1)
-                assert torch.equal(kernels.lm_head_argmax(xr, packed, *screen), expected), (path, rows)
+                assert torch.equal(greedy_screen.lm_head_argmax(xr, packed, *screen), expected), (path, rows)
 
 
 @requires_c_kernels
@@ -235,13 +235,13 @@ def test_lm_head_argmax_settles_near_ties_with_the_gemm_rounding():
     w = torch.randn(3000, 96, generator=g) * 0.02
     base = torch.randn(96, generator=g) * 0.05
     w[1000:1200] = base + torch.randn(200, 96, generator=g) * 1e-8
-    packed, screen = kernels.pack_gemm_weight(w), kernels.pack_argmax_screen(w)
+    packed, screen = kernels.pack_gemm_weight(w), greedy_screen.pack_argmax_screen(w)
     x = (base * 40 + torch.randn(16, 96, generator=g)).contiguous()
     logits = kernels.gemm_packed(x, packed, None, 3000)
     expected = logits.argmax(dim=-1)
     assert ((expected >= 1000) & (expected < 1200)).all()
     assert not torch.equal(expected, (x.double() @ w.double().T).argmax(dim=-1))  # rounding decides
-    assert torch.equal(kernels.lm_head_argmax(x, packed, *screen), expected)
+    assert torch.equal(greedy_screen.lm_head_argmax(x, packed, *screen), expected)
 
 
 @requires_c_kernels
@@ -250,14 +250,14 @@ def test_lm_head_argmax_falls_back_to_the_full_row():
     equal logits) take the full fp32 row, with torch.argmax's answer (the first NaN included)."""
     g, w, packed, screen = _lm_head_case(2)
     flat = torch.ones(3000, 96) * 0.01 + torch.randn(3000, 96, generator=g) * 1e-6  # ~3000 near-ties
-    flat_packed, flat_screen = kernels.pack_gemm_weight(flat), kernels.pack_argmax_screen(flat)
+    flat_packed, flat_screen = kernels.pack_gemm_weight(flat), greedy_screen.pack_argmax_screen(flat)
     x = torch.randn(4, 96, generator=g)
     x[1, 3] = float("nan")
     x[2, 0] = float("inf")
     x[3] *= 1e30
     for wt, p, sc in ((w, packed, screen), (flat, flat_packed, flat_screen)):
         expected = kernels.gemm_packed(x, p, None, wt.shape[0]).argmax(dim=-1)
-        assert torch.equal(kernels.lm_head_argmax(x, p, *sc), expected)
+        assert torch.equal(greedy_screen.lm_head_argmax(x, p, *sc), expected)
 
 
 @requires_c_kernels

@@ -214,7 +214,10 @@ def ensure_routes(workloads: dict[str, list[Int8Call]]) -> dict[str, RouteTable]
     tables = _read_entry(file, key, runs, list(workloads))
     if tables is None:
         logger.info("int8 kernels: timing the paths %s on this model's calls (once for this model here)", runs)
-        timings = {kernel: measure(kernel, calls, runs) for kernel, calls in workloads.items()}
+        try:
+            timings = {kernel: measure(kernel, calls, runs) for kernel, calls in workloads.items()}
+        finally:  # measuring forces paths one by one: what was routed before comes back whatever happens
+            kernels.set_int8_path(None)
         tables = {kernel: choose(kernel, per_path, baseline_path(runs)) for kernel, per_path in timings.items()}
         _write_entry(file, key, tables, timings)
     for kernel, table in tables.items():

@@ -240,3 +240,19 @@ def test_a_model_routes_its_own_calls(restore_routes, default_gguf_path):
     for kernel, table in tables.items():
         assert set(table.paths) <= set(kernels.int8_paths())
         assert [kernels.int8_route(kernel, r) for r in range(1, 65)] == [table.path_for(r) for r in range(1, 65)]
+
+
+def test_a_measurement_that_fails_leaves_the_routes_as_they_were(monkeypatch, tmp_path, restore_routes):
+    paths = int8_paths_to_test()
+    kernels.set_int8_routes("gemm", forced_table(paths, 4))
+    fake = FakeWorkload(monkeypatch, tmp_path, RouteTable("gemm", (1,), (paths[0],)))
+
+    def failing_measure(kernel, calls, runs, rows_measured=None, repeats=0):
+        kernels.set_int8_routes(kernel, ["portable"], remember=False)  # as measure forces paths
+        raise RuntimeError("a call failed")
+
+    monkeypatch.setattr(int8_routes, "measure", failing_measure)
+    with pytest.raises(RuntimeError, match="a call failed"):
+        fake.ensure()
+    assert [kernels.int8_route("gemm", r) for r in range(1, 5)] == forced_table(paths, 4)
+    assert not fake.file.exists()

@@ -31,6 +31,13 @@
 
 #include "specserve_math.h"
 
+/* Without AVX-512 each 64-byte vector below is a pair of 32-byte halves, and GCC 12's RTL global CSE passes
+ * take minutes on the unrolled kernels (load CSE after reload ~110 s, PRE ~50 s of a ~190 s compile on an
+ * AVX2 EPYC); without them the file compiles in ~20 s and attention's times stay within 3% (either way). */
+#ifndef __AVX512F__
+#pragma GCC optimize("no-gcse", "no-gcse-after-reload")
+#endif
+
 #define MAX_STACK_ROWS 48
 #define MAX_HEAD_DIM 128
 
@@ -198,6 +205,9 @@ static inline void prefetch_keys(const float *block, int64_t h0, int64_t h1, int
  * and each vector loaded feeds up to GROUP_ROWS rows' FMAs, so the rows of a kv head (its query heads, each
  * token of a verification step) read each key and value once per group rather than once per row. */
 #define GROUP_ROWS 6
+
+/* Rows sharing each value vector in pass 3: their accumulators, NC vectors a row, fit the registers. */
+#define PV_GROUP_ROWS(NC) ((NC) <= 4 ? GROUP_ROWS : (NC) <= 8 ? GROUP_ROWS / 2 : 1)
 
 /* CALL(rows) with rows = n (1..GROUP_ROWS) as a compile-time constant, so the accumulators stay in registers. */
 #define FOR_GROUP_SIZE(n, CALL)      \
@@ -369,7 +379,7 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
      * share each value vector's load, over the keys every row of the group sees; then each row alone over
      * the rest of its keys (same order, so the same numbers as a row alone). */
     /* accumulators: at most 24 vectors (a 256-wide row alone takes 16) */
-    const int group_rows = NC <= 4 ? GROUP_ROWS : NC <= 8 ? GROUP_ROWS / 2 : 1;
+    const int group_rows = PV_GROUP_ROWS(NC);
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = b * 16;
         if (b + 1 < b1) prefetch_values(v_cache + table[b + 1] * block_stride, token_stride, h0, h1, 1);
@@ -385,7 +395,8 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
             if (common < 0) common = 0;
             float *ag = st + (g0 - r0) * stride;
             const float *pg = ps + (g0 - r0) * CHUNK_KEYS;
-#define PV_ROWS(rows) pv_rows(vb, token_stride, pg, ag, stride, rows, 0, common, NC)
+#define PV_ROWS(rows) \
+    if ((rows) <= PV_GROUP_ROWS(NC)) pv_rows(vb, token_stride, pg, ag, stride, rows, 0, common, NC)
             FOR_GROUP_SIZE(g1 - g0, PV_ROWS);
 #undef PV_ROWS
             for (int64_t r = g0; r < g1; r++) {

@@ -48,3 +48,14 @@ def gemma3_gguf_path() -> str:
     from specserve.ops.paths import cache_root
 
     return str(assemble(cache_root() / "gemma3-270m" / "gemma-3-270m-q4_k_m.gguf"))
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_05b_path() -> str:
+    """Qwen2.5-Coder-0.5B-Instruct in Q4_K_M, from its part packages (a test dependency; Apache-2.0)."""
+    from specserve.models.catalog import ModelNotInstalledError, model_path
+
+    try:
+        return model_path("qwen2.5-coder-0.5b-instruct")
+    except ModelNotInstalledError as exc:
+        pytest.skip(str(exc))

@@ -14,9 +14,9 @@ from tests.engine.test_scheduler import make_request, make_scheduler
 from tests.server.helpers import ServerProcess
 
 MAX_MODEL_LEN = 1024
-# The default as shipped: auto, its draft lengths priced from this host's measured step costs (a calibration
-# taken while the suite loads the host is only provisional: the first live steps correct it).
-SPEC = {"method": "auto"}
+# auto drafting every step: whether the policy finds drafts worth their price depends on this host's step
+# costs (and on what else loads it), and these tests need drafted tokens to check their record.
+SPEC = {"method": "auto", "adaptive_draft_length": False}
 CHAT = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
 PROMPT = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
 DRAFTED = {"accepted", "bonus", "correction"}

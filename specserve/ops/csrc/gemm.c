@@ -1,8 +1,8 @@
 /* y = x @ W^T (+ bias) for fp32, with W pre-packed into column blocks: the linear layers of every step.
  *
  * Packed layout: W [N, K] becomes [ceil(N / 32)][K][32] (block b holds output columns 32b..32b+31, k-major,
- * zero rows past N), so one k step of a block is two 16-float vectors that every input row multiplies by
- * its broadcast x[m, k]. Up to MAX_ROWS input rows share each weight load: a decode step (1 row) and a
+ * zero rows past N), so one k step of a block is NV vectors (gemm_common.h) that every input row multiplies
+ * by its broadcast x[m, k]. Up to MAX_ROWS input rows share each weight load: a decode step (1 row) and a
  * verification step (2-12 rows) stream the weights once, at about the same memory-bound cost, and large
  * batches reuse each block from cache across row chunks.
  *
@@ -14,15 +14,15 @@
 static inline __attribute__((always_inline)) void block_rows(const float *restrict w, const float *restrict x,
                                                              int64_t K, float *restrict y, int64_t N,
                                                              int64_t ncols, const float *bias, const int rows) {
-    v16 acc[MAX_ROWS][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (v16){0};
+    vf acc[MAX_ROWS][NV];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < NV; j++) acc[m][j] = (vf){0};
     for (int64_t k = 0; k < K; k++) {
-        v16 w0, w1;
+        vf wv[NV];
         __builtin_prefetch(w + k * BLOCK + PREFETCH); /* past the end: a hint, never a fault */
         __builtin_prefetch(w + k * BLOCK + PREFETCH + 16);
-        memcpy(&w0, w + k * BLOCK, sizeof w0);
-        memcpy(&w1, w + k * BLOCK + 16, sizeof w1);
-        accumulate(acc, x + k, K, w0, w1, rows);
+        load_block(wv, w + k * BLOCK);
+        accumulate(acc, x + k, K, wv, rows);
     }
     store_rows(acc, y, N, ncols, NULL, bias, rows);
 }
@@ -54,11 +54,14 @@ static inline __attribute__((always_inline)) void block_rows_i8(const int8_t *re
                                                                 int64_t K, float *restrict y, int64_t N,
                                                                 int64_t ncols, const float *restrict scale,
                                                                 const float *bias, const int rows) {
-    v16 acc[MAX_ROWS][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (v16){0};
+    vf acc[MAX_ROWS][NV];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < NV; j++) acc[m][j] = (vf){0};
     for (int64_t k = 0; k < K; k++) {
         __builtin_prefetch(w + k * BLOCK + 4 * PREFETCH);
-        accumulate(acc, x + k, K, widen(w + k * BLOCK), widen(w + k * BLOCK + 16), rows);
+        vf wv[NV];
+        for (int j = 0; j < NV; j++) wv[j] = widen(w + k * BLOCK + j * VLEN);
+        accumulate(acc, x + k, K, wv, rows);
     }
     store_rows(acc, y, N, ncols, scale, bias, rows);
 }

@@ -10,53 +10,100 @@
 #endif
 
 #define BLOCK 32
-/* Rows sharing each weight load: 12 rows keep 24 accumulators + 2 weight vectors in the 32 AVX-512
- * registers, so a verification step of 1 + 8 tokens is one pass over the weights. With 8 rows it would be
- * two, the second a latency-bound single row (a 9-token step then costs ~1.28x a 1-token step, not ~1.15x). */
+/* The vector the fp32 GEMMs compute in: the build's native width, 16 floats with AVX-512 and 8 otherwise, NV
+ * of them per block of 32 columns. GCC keeps a vector wider than the machine's registers in memory, so a
+ * 64-byte vector on an AVX2 build loads and stores around every operation (half of a decode step's
+ * instructions were stack traffic). Each output column is the same FMA chain over k whatever the width, so
+ * every build gives the same bits. */
+#if defined(__AVX512F__)
+#define VLEN 16
+#else
+#define VLEN 8
+#endif
+#define NV (BLOCK / VLEN)
+typedef float vf __attribute__((vector_size(VLEN * sizeof(float))));
+/* The int8 kernels' 16-lane vector (their paths pick their instruction sets per function). */
+typedef float v16 __attribute__((vector_size(64)));
+
+/* Rows sharing each weight load, as many as keep their accumulators (NV each) beside the weight vectors in the
+ * vector registers. AVX-512: 12 rows keep 24 accumulators + 2 weight vectors in the 32 registers, so a
+ * verification step of 1 + 8 tokens is one pass over the weights (with 8 rows it would be two, the second a
+ * latency-bound single row: a 9-token step then costs ~1.28x a 1-token step, not ~1.15x). AVX2 (16 registers,
+ * 4 accumulators a row): 4 rows, measured on a Q8_0 GEMM of 896 x 9728 (one thread, AMD EPYC Zen 3): 9 rows
+ * 4.1 ms with 4 rows a pass, 4.9 with 3, 7.0 with 2; one row 0.7-0.9 ms whatever the setting. */
+#ifndef MAX_ROWS_NARROW
+#define MAX_ROWS_NARROW 4
+#endif
+#if defined(__AVX512F__)
 #define MAX_ROWS 12
+#else
+#define MAX_ROWS MAX_ROWS_NARROW
+#endif
 
 /* Run CALL(rows) for each chunk of at most MAX_ROWS rows, m being the chunk's first row, with `rows` a
- * compile-time constant in each case so the accumulators stay in registers. */
+ * compile-time constant in each case so the accumulators stay in registers (the cases past MAX_ROWS - 1 are
+ * never taken). */
 #define FOR_ROW_CHUNKS(M, m, CALL)                                       \
     for (m = 0; m + MAX_ROWS <= (M); m += MAX_ROWS) CALL(MAX_ROWS);      \
     switch ((M) - m) {                                                   \
         case 1: CALL(1); break;                                          \
-        case 2: CALL(2); break;                                          \
-        case 3: CALL(3); break;                                          \
-        case 4: CALL(4); break;                                          \
-        case 5: CALL(5); break;                                          \
-        case 6: CALL(6); break;                                          \
-        case 7: CALL(7); break;                                          \
-        case 8: CALL(8); break;                                          \
-        case 9: CALL(9); break;                                          \
-        case 10: CALL(10); break;                                        \
-        case 11: CALL(11); break;                                        \
+        case 2: if (MAX_ROWS > 2) CALL(2); break;                        \
+        case 3: if (MAX_ROWS > 3) CALL(3); break;                        \
+        case 4: if (MAX_ROWS > 4) CALL(4); break;                        \
+        case 5: if (MAX_ROWS > 5) CALL(5); break;                        \
+        case 6: if (MAX_ROWS > 6) CALL(6); break;                        \
+        case 7: if (MAX_ROWS > 7) CALL(7); break;                        \
+        case 8: if (MAX_ROWS > 8) CALL(8); break;                        \
+        case 9: if (MAX_ROWS > 9) CALL(9); break;                        \
+        case 10: if (MAX_ROWS > 10) CALL(10); break;                     \
+        case 11: if (MAX_ROWS > 11) CALL(11); break;                     \
         default: break;                                                  \
     }
 /* Software prefetch distance, in floats (4 KB): the stream runs ahead of the FMAs, so with 2-8 rows the
  * arithmetic hides under the memory traffic (measured: 6 rows cost what 1 row does; 1 row 8% faster). */
 #define PREFETCH 1024
 
-typedef float v16 __attribute__((vector_size(64)));
+/* a * b + c rounded once per lane, as an explicit fused multiply-add: GCC decides on its own whether to fuse
+ * a * b + c written out (tuned for AMD Zen it leaves loop-carried chains unfused), and every kernel that must
+ * reproduce another's sums needs the same roundings. */
+static inline __attribute__((always_inline)) vf fma_vf(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+    __m512 x, y, z;
+    memcpy(&x, &a, sizeof x);
+    memcpy(&y, &b, sizeof y);
+    memcpy(&z, &c, sizeof z);
+    z = _mm512_fmadd_ps(x, y, z);
+    memcpy(&c, &z, sizeof c);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 x, y, z;
+    memcpy(&x, &a, sizeof x);
+    memcpy(&y, &b, sizeof y);
+    memcpy(&z, &c, sizeof z);
+    z = _mm256_fmadd_ps(x, y, z);
+    memcpy(&c, &z, sizeof c);
+#else
+    for (int i = 0; i < VLEN; i++) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
+#endif
+    return c;
+}
 
 /* One k step: every row's broadcast x[m, k] (x points at column k of row 0) times the block's 32 weights. */
-static inline __attribute__((always_inline)) void accumulate(v16 acc[][2], const float *x, int64_t K, v16 w0,
-                                                             v16 w1, const int rows) {
+static inline __attribute__((always_inline)) void accumulate(vf acc[][NV], const float *x, int64_t K,
+                                                             const vf w[NV], const int rows) {
     for (int m = 0; m < rows; m++) {
-        const float xv = x[m * K];
-        acc[m][0] += xv * w0;
-        acc[m][1] += xv * w1;
+        const vf xv = (vf){0} + x[m * K];
+        for (int j = 0; j < NV; j++) acc[m][j] = fma_vf(xv, w[j], acc[m][j]);
     }
 }
 
-/* Each row's 32 sums, times the column scales and plus the bias where given, into its ncols outputs. */
-static inline __attribute__((always_inline)) void store_rows(v16 acc[][2], float *y, int64_t N, int64_t ncols,
+/* Each row's 32 sums (acc: rows x BLOCK floats, one row after the other), times the column scales and plus the
+ * bias where given, into its ncols outputs. */
+static inline __attribute__((always_inline)) void store_rows(const void *acc, float *y, int64_t N, int64_t ncols,
                                                              const float *scale, const float *bias,
                                                              const int rows) {
     for (int m = 0; m < rows; m++) {
         float tmp[BLOCK];
-        memcpy(tmp, &acc[m][0], sizeof acc[m][0]);
-        memcpy(tmp + 16, &acc[m][1], sizeof acc[m][1]);
+        memcpy(tmp, (const float *)acc + m * BLOCK, sizeof tmp);
         if (scale)
             for (int64_t j = 0; j < ncols; j++) tmp[j] *= scale[j];
         if (bias)
@@ -65,29 +112,25 @@ static inline __attribute__((always_inline)) void store_rows(v16 acc[][2], float
     }
 }
 
-typedef int8_t c16 __attribute__((vector_size(16)));
-typedef int32_t i16x32 __attribute__((vector_size(64)));
-
-/* 16 int8 -> 16 fp32. GCC turns __builtin_convertvector on int8 into lane-by-lane scalar code, so
+/* VLEN int8 -> VLEN fp32, exact. GCC turns __builtin_convertvector on int8 into lane-by-lane scalar code, so
  * AVX-512 / AVX2 builds use the sign-extend and convert instructions directly. */
-static inline __attribute__((always_inline)) v16 widen(const int8_t *p) {
+static inline __attribute__((always_inline)) vf widen(const int8_t *p) {
+    vf r;
 #if defined(__AVX512F__)
     const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-    v16 r;
     memcpy(&r, &f, sizeof r);
-    return r;
 #elif defined(__AVX2__)
-    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
-    v16 r;
-    memcpy(&r, &lo, sizeof lo);
-    memcpy((float *)&r + 8, &hi, sizeof hi);
-    return r;
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    memcpy(&r, &f, sizeof r);
 #else
-    c16 q;
-    memcpy(&q, p, sizeof q);
-    return __builtin_convertvector(__builtin_convertvector(q, i16x32), v16);
+    for (int i = 0; i < VLEN; i++) r[i] = (float)p[i];
 #endif
+    return r;
+}
+
+/* NV vectors from 32 floats at p (any alignment). */
+static inline __attribute__((always_inline)) void load_block(vf w[NV], const float *p) {
+    for (int j = 0; j < NV; j++) memcpy(&w[j], p + j * VLEN, sizeof w[j]);
 }
 
 #endif

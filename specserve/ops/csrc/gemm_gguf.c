@@ -21,53 +21,58 @@
 #include "gemm_common.h"
 #include "specserve_kernels.h"
 
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
 #define RECORD_HEADER (2 * BLOCK * (int64_t)sizeof(float)) /* a[32], b[32] */
 
 static inline int64_t record_bytes(int64_t format, int64_t group) {
     return RECORD_HEADER + group * (format == WEIGHT_Q8 ? 32 : 16);
 }
 
-/* The 32 weights of one k row of a Q4 record: the low nibbles are columns 0-15, the high ones 16-31. */
-static inline __attribute__((always_inline)) void dequant_q4(const uint8_t *p, v16 a0, v16 a1, v16 b0, v16 b1,
-                                                             v16 *w0, v16 *w1) {
+/* The 32 weights of one k row of a Q4 record, w = q * a + b: the low nibbles are columns 0-15, the high ones
+ * 16-31. */
+static inline __attribute__((always_inline)) void dequant_q4(const uint8_t *p, const vf a[NV], const vf b[NV],
+                                                             vf w[NV]) {
 #if defined(__AVX512F__)
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-    v16 l, h;
-    memcpy(&l, &lo, sizeof l);
-    memcpy(&h, &hi, sizeof h);
+    memcpy(&w[0], &lo, sizeof w[0]);
+    memcpy(&w[1], &hi, sizeof w[1]);
+#elif defined(__AVX2__)
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        memcpy(&w[h], &lo, sizeof w[h]);
+        memcpy(&w[2 + h], &hi, sizeof w[2 + h]);
+    }
 #else
-    u8x16 q;
-    memcpy(&q, p, sizeof q);
-    const i32x16 v = __builtin_convertvector(q, i32x16);
-    const v16 l = __builtin_convertvector(v & 15, v16), h = __builtin_convertvector(v >> 4, v16);
+    for (int j = 0; j < NV; j++)
+        for (int i = 0; i < VLEN; i++) {
+            const int c = j * VLEN + i;
+            w[j][i] = (float)(c < 16 ? p[c] & 15 : p[c - 16] >> 4);
+        }
 #endif
-    *w0 = l * a0 + b0;
-    *w1 = h * a1 + b1;
+    for (int j = 0; j < NV; j++) w[j] = w[j] * a[j] + b[j];
 }
 
-static inline __attribute__((always_inline)) void dequant_q8(const uint8_t *p, v16 a0, v16 a1, v16 b0, v16 b1,
-                                                             v16 *w0, v16 *w1) {
-    *w0 = widen((const int8_t *)p) * a0 + b0;
-    *w1 = widen((const int8_t *)p + 16) * a1 + b1;
+static inline __attribute__((always_inline)) void dequant_q8(const uint8_t *p, const vf a[NV], const vf b[NV],
+                                                             vf w[NV]) {
+    for (int j = 0; j < NV; j++) w[j] = widen((const int8_t *)p + j * VLEN) * a[j] + b[j];
 }
 
-/* 16 halves -> 16 floats (exact). */
-static inline __attribute__((always_inline)) v16 widen_f16(const uint16_t *p) {
+/* VLEN halves -> VLEN floats (exact). */
+static inline __attribute__((always_inline)) vf widen_f16(const uint16_t *p) {
+    vf r;
 #if defined(__AVX512F__)
     const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-    v16 r;
     memcpy(&r, &f, sizeof r);
-    return r;
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&r, &f, sizeof r);
 #else
-    v16 r;
-    for (int i = 0; i < 16; i++) r[i] = half_to_float(p[i]);
-    return r;
+    for (int i = 0; i < VLEN; i++) r[i] = half_to_float(p[i]);
 #endif
+    return r;
 }
 
 float half_to_float(uint16_t h) {
@@ -87,12 +92,9 @@ float half_to_float(uint16_t h) {
     return out;
 }
 
-static inline __attribute__((always_inline)) void load_record_scales(const uint8_t *rec, v16 *a0, v16 *a1, v16 *b0,
-                                                                     v16 *b1) {
-    memcpy(a0, rec, sizeof *a0);
-    memcpy(a1, rec + 64, sizeof *a1);
-    memcpy(b0, rec + 128, sizeof *b0);
-    memcpy(b1, rec + 192, sizeof *b1);
+static inline __attribute__((always_inline)) void load_record_scales(const uint8_t *rec, vf a[NV], vf b[NV]) {
+    load_block(a, (const float *)rec);
+    load_block(b, (const float *)(rec + 128));
 }
 
 /* One block of 32 columns for `rows` rows: group records of G k steps, `qbytes` bytes of q per k step. */
@@ -100,24 +102,25 @@ static inline __attribute__((always_inline)) void block_rows_q(const uint8_t *re
                                                                int64_t K, float *restrict y, int64_t N,
                                                                int64_t ncols, const float *bias, const int rows,
                                                                const int qbytes, const int G) {
-    v16 acc[MAX_ROWS][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (v16){0};
+    vf acc[MAX_ROWS][NV];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < NV; j++) acc[m][j] = (vf){0};
     const int64_t R = RECORD_HEADER + (int64_t)G * qbytes;
     for (int64_t g = 0; g < K / G; g++) {
         const uint8_t *rec = w + g * R, *q = rec + RECORD_HEADER;
         __builtin_prefetch(rec + R + PREFETCH);
-        v16 a0, a1, b0, b1;
-        load_record_scales(rec, &a0, &a1, &b0, &b1);
+        vf a[NV], b[NV];
+        load_record_scales(rec, a, b);
         for (int kk = 0; kk < G; kk++) {
-            v16 w0, w1;
+            vf wv[NV];
             if (qbytes == 16) {
                 if ((kk & 3) == 0) __builtin_prefetch(q + kk * 16 + PREFETCH);
-                dequant_q4(q + kk * 16, a0, a1, b0, b1, &w0, &w1);
+                dequant_q4(q + kk * 16, a, b, wv);
             } else {
                 if ((kk & 1) == 0) __builtin_prefetch(q + kk * 32 + PREFETCH);
-                dequant_q8(q + kk * 32, a0, a1, b0, b1, &w0, &w1);
+                dequant_q8(q + kk * 32, a, b, wv);
             }
-            accumulate(acc, x + g * G + kk, K, w0, w1, rows);
+            accumulate(acc, x + g * G + kk, K, wv, rows);
         }
     }
     store_rows(acc, y, N, ncols, NULL, bias, rows);
@@ -127,11 +130,14 @@ static inline __attribute__((always_inline)) void block_rows_f16(const uint16_t 
                                                                  const float *restrict x, int64_t K,
                                                                  float *restrict y, int64_t N, int64_t ncols,
                                                                  const float *bias, const int rows) {
-    v16 acc[MAX_ROWS][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (v16){0};
+    vf acc[MAX_ROWS][NV];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < NV; j++) acc[m][j] = (vf){0};
     for (int64_t k = 0; k < K; k++) {
         __builtin_prefetch(w + k * BLOCK + PREFETCH);
-        accumulate(acc, x + k, K, widen_f16(w + k * BLOCK), widen_f16(w + k * BLOCK + 16), rows);
+        vf wv[NV];
+        for (int j = 0; j < NV; j++) wv[j] = widen_f16(w + k * BLOCK + j * VLEN);
+        accumulate(acc, x + k, K, wv, rows);
     }
     store_rows(acc, y, N, ncols, NULL, bias, rows);
 }
@@ -213,41 +219,40 @@ int gemm_weight_f32(const float *x, const void *data, int64_t format, int64_t gr
 }
 
 /* Output column n of gemm_weight (no bias) for one row, computed exactly as the GEMM computes it: the same
- * 16-lane vector expression over the half-block holding n (so the compiler contracts it into the same fused
- * multiply-adds), lane n % 16 kept. */
+ * dequantization and fused multiply-adds over the vector of the block holding n, lane n % VLEN kept. */
 float weight_column(const float *x, const weight_t *w, int64_t K, int64_t n) {
     if (w->format == WEIGHT_Q4_I8 || w->format == WEIGHT_Q4_Q8)
         return NAN; /* its GEMM quantizes x: no fp32 column to reproduce */
-    const int64_t b = n / BLOCK, half = (n % BLOCK) / 16;
-    v16 acc = {0};
+    const int64_t b = n / BLOCK, j = (n % BLOCK) / VLEN;
+    vf acc = {0};
     if (w->format == WEIGHT_F32 || w->format == WEIGHT_F16) {
         for (int64_t k = 0; k < K; k++) {
-            const int64_t at = (b * K + k) * BLOCK + half * 16;
-            v16 wv;
+            const int64_t at = (b * K + k) * BLOCK + j * VLEN;
+            vf wv;
             if (w->format == WEIGHT_F32)
                 memcpy(&wv, (const float *)w->data + at, sizeof wv);
             else
                 wv = widen_f16((const uint16_t *)w->data + at);
-            acc += x[k] * wv;
+            acc = fma_vf((vf){0} + x[k], wv, acc);
         }
-        return acc[n % 16];
+        return acc[n % VLEN];
     }
     const int64_t G = w->group, R = record_bytes(w->format, G);
     const uint8_t *block = (const uint8_t *)w->data + b * (K / G) * R;
     for (int64_t g = 0; g < K / G; g++) {
         const uint8_t *rec = block + g * R;
-        v16 a[2], s[2];
-        load_record_scales(rec, &a[0], &a[1], &s[0], &s[1]);
+        vf a[NV], s[NV];
+        load_record_scales(rec, a, s);
         for (int64_t kk = 0; kk < G; kk++) {
-            v16 w0, w1;
+            vf wv[NV];
             if (w->format == WEIGHT_Q4)
-                dequant_q4(rec + RECORD_HEADER + kk * 16, a[0], a[1], s[0], s[1], &w0, &w1);
+                dequant_q4(rec + RECORD_HEADER + kk * 16, a, s, wv);
             else
-                dequant_q8(rec + RECORD_HEADER + kk * 32, a[0], a[1], s[0], s[1], &w0, &w1);
-            acc += x[g * G + kk] * (half ? w1 : w0);
+                dequant_q8(rec + RECORD_HEADER + kk * 32, a, s, wv);
+            acc = fma_vf((vf){0} + x[g * G + kk], wv[j], acc);
         }
     }
-    return acc[n % 16];
+    return acc[n % VLEN];
 }
 
 /* out [count, K]: rows ids[i] of the dequantized weight W [N, K] (an embedding lookup, or the whole weight

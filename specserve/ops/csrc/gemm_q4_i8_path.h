@@ -1,7 +1,9 @@
 /* One instruction-set path of gemm_q4_i8.c, included there once per path with these defined: Q4_PATH (the
- * suffix of its functions' names), Q4_TARGET (their target attribute, or nothing), Q4_DOT4 (16 lanes of 4 u8 x
- * s8 products added to int32), Q4_FMADD (fused multiply-add of 16 floats) and Q4_QUANTIZE_GROUP (32 values to
- * two int8 digits). Every path does the same arithmetic in the same order. */
+ * suffix of its functions' names), Q4_TARGET (their target attribute, or nothing), Q4_L (the lanes of its
+ * vectors: 16 for 512-bit registers, 8 for 256-bit ones, whose wider vectors GCC would keep in memory), Q4_F /
+ * Q4_I / Q4_U (its vectors of Q4_L floats, Q4_L int32 and 4 * Q4_L bytes), Q4_DOT4 (Q4_L lanes of 4 u8 x s8
+ * products added to int32), Q4_FMADD (fused multiply-add of Q4_L floats) and Q4_QUANTIZE_GROUP (32 values to
+ * two int8 digits). Every path does the same arithmetic in the same order, lane for lane. */
 #define Q4_JOIN(a, b) a##_##b
 #define Q4_NAME(a, b) Q4_JOIN(a, b)
 
@@ -19,47 +21,55 @@ Q4_TARGET static void Q4_NAME(quantize_rows, Q4_PATH)(const float *x, int64_t M,
         }
 }
 
+#define Q4_P (16 / Q4_L) /* vectors per half block (16 columns) */
+
+/* Columns h * 16 + p * Q4_L + lane of acc[m][h][p]: each row's 32 accumulators in column order. */
 Q4_TARGET static inline ALWAYS_INLINE void Q4_NAME(block_rows, Q4_PATH)(
     const uint8_t *restrict w, const int8_t *restrict xq, const float *restrict xu, const float *restrict xs,
     int64_t K, float *restrict y, int64_t N, int64_t ncols, const float *bias, const int rows, const int digits) {
-    v16 acc[I8_ROWS][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (v16){0};
+    Q4_F acc[Q4_ROWS][2][Q4_P];
+    for (int m = 0; m < rows; m++)
+        for (int h = 0; h < 2; h++)
+            for (int p = 0; p < Q4_P; p++) acc[m][h][p] = (Q4_F){0};
     const int64_t ng = K / QGROUP;
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *rec = w + g * Q4_RECORD, *q = rec + 2 * BLOCK * sizeof(float);
         for (int line = 0; line < Q4_RECORD; line += 64) __builtin_prefetch(rec + I8_PREFETCH * Q4_RECORD + line);
-        v16 a0, a1, b0, b1;
-        memcpy(&a0, rec, sizeof a0);
-        memcpy(&a1, rec + 64, sizeof a1);
-        memcpy(&b0, rec + 128, sizeof b0);
-        memcpy(&b1, rec + 192, sizeof b1);
-        i32v hi[I8_ROWS][2], lo[I8_ROWS][2]; /* per row and half: sums of q_w * hi and q_w * lo */
-        for (int m = 0; m < rows; m++) hi[m][0] = hi[m][1] = lo[m][0] = lo[m][1] = (i32v){0};
-        for (int t = 0; t < QGROUP / 4; t++) {
-            u8v v;
-            memcpy(&v, q + t * 64, sizeof v);
-            const u8v w0 = v & 15, w1 = v >> 4;
-            for (int m = 0; m < rows; m++) {
-                const int8_t *xm = xq + 2 * m * K + g * QGROUP + 4 * t;
-                int32_t h4, l4;
-                memcpy(&h4, xm, sizeof h4);
-                memcpy(&l4, xm + K, sizeof l4);
-                hi[m][0] = Q4_DOT4(hi[m][0], w0, h4);
-                hi[m][1] = Q4_DOT4(hi[m][1], w1, h4);
-                if (digits == 2) {
-                    lo[m][0] = Q4_DOT4(lo[m][0], w0, l4);
-                    lo[m][1] = Q4_DOT4(lo[m][1], w1, l4);
+        Q4_I hi[Q4_ROWS][2][Q4_P], lo[Q4_ROWS][2][Q4_P]; /* per row, half and part: sums of q_w * hi, q_w * lo */
+        for (int m = 0; m < rows; m++)
+            for (int h = 0; h < 2; h++)
+                for (int p = 0; p < Q4_P; p++) hi[m][h][p] = lo[m][h][p] = (Q4_I){0};
+        for (int t = 0; t < QGROUP / 4; t++)
+            for (int p = 0; p < Q4_P; p++) {
+                Q4_U v;
+                memcpy(&v, q + t * 64 + p * sizeof v, sizeof v);
+                const Q4_U w0 = v & 15, w1 = v >> 4;
+                for (int m = 0; m < rows; m++) {
+                    const int8_t *xm = xq + 2 * m * K + g * QGROUP + 4 * t;
+                    int32_t h4, l4;
+                    memcpy(&h4, xm, sizeof h4);
+                    memcpy(&l4, xm + K, sizeof l4);
+                    hi[m][0][p] = Q4_DOT4(hi[m][0][p], w0, h4);
+                    hi[m][1][p] = Q4_DOT4(hi[m][1][p], w1, h4);
+                    if (digits == 2) {
+                        lo[m][0][p] = Q4_DOT4(lo[m][0][p], w0, l4);
+                        lo[m][1][p] = Q4_DOT4(lo[m][1][p], w1, l4);
+                    }
                 }
             }
-        }
-        for (int m = 0; m < rows; m++) {
-            /* 256 * hi + lo is exact in int32 (|.| < 2^24) and in fp32 */
-            const v16 u = (v16){0} + xu[m * ng + g], s = (v16){0} + xs[m * ng + g];
-            acc[m][0] = Q4_FMADD(__builtin_convertvector((hi[m][0] << 8) + lo[m][0], v16), a0 * u, acc[m][0]);
-            acc[m][0] = Q4_FMADD(b0, s, acc[m][0]);
-            acc[m][1] = Q4_FMADD(__builtin_convertvector((hi[m][1] << 8) + lo[m][1], v16), a1 * u, acc[m][1]);
-            acc[m][1] = Q4_FMADD(b1, s, acc[m][1]);
-        }
+        for (int h = 0; h < 2; h++)
+            for (int p = 0; p < Q4_P; p++) {
+                Q4_F a, b;
+                memcpy(&a, rec + sizeof(float) * (h * 16 + p * Q4_L), sizeof a);
+                memcpy(&b, rec + sizeof(float) * (BLOCK + h * 16 + p * Q4_L), sizeof b);
+                for (int m = 0; m < rows; m++) {
+                    /* 256 * hi + lo is exact in int32 (|.| < 2^24) and in fp32 */
+                    const Q4_F u = (Q4_F){0} + xu[m * ng + g], s = (Q4_F){0} + xs[m * ng + g];
+                    acc[m][h][p] = Q4_FMADD(__builtin_convertvector((hi[m][h][p] << 8) + lo[m][h][p], Q4_F), a * u,
+                                            acc[m][h][p]);
+                    acc[m][h][p] = Q4_FMADD(b, s, acc[m][h][p]);
+                }
+            }
     }
     store_rows(acc, y, N, ncols, NULL, bias, rows);
 }
@@ -80,11 +90,11 @@ Q4_TARGET static void Q4_NAME(gemm_blocks, Q4_PATH)(const int8_t *xq, const floa
     Q4_NAME(block_rows, Q4_PATH)(w, xq + 2 * m * K, xu + m * ng, xs + m * ng, K, y + m * N + col, N, ncols, bb, \
                                  rows, digits)
 #define ROWS_I8(digits)                                                      \
-    for (; m + I8_ROWS <= M; m += I8_ROWS) CALL_I8(I8_ROWS, digits);         \
+    for (; m + Q4_ROWS <= M; m += Q4_ROWS) CALL_I8(Q4_ROWS, digits);         \
     switch (M - m) {                                                         \
         case 1: CALL_I8(1, digits); break;                                   \
-        case 2: CALL_I8(2, digits); break;                                   \
-        case 3: CALL_I8(3, digits); break;                                   \
+        case 2: if (Q4_ROWS > 2) CALL_I8(2, digits); break;                  \
+        case 3: if (Q4_ROWS > 3) CALL_I8(3, digits); break;                  \
         default: break;                                                      \
     }
         if (digits == 2) {
@@ -97,5 +107,6 @@ Q4_TARGET static void Q4_NAME(gemm_blocks, Q4_PATH)(const int8_t *xq, const floa
     }
 }
 
+#undef Q4_P
 #undef Q4_NAME
 #undef Q4_JOIN

@@ -30,8 +30,8 @@ dequantized once.
 
 Approximate (opt-in only, ``weight_dtype=``):
 
-* ``torch.bfloat16``: oneDNN bf16, activations rounded to bf16, fp32 output (~3e-3 relative error per
-  layer).
+* ``torch.bfloat16``: oneDNN bf16 (torch's bf16 matmul on CPUs without bf16 instructions), activations
+  rounded to bf16, fp32 output (~3e-3 relative error per layer).
 * ``"int8"`` / ``torch.qint8``: per-output-channel symmetric int8 weights. With the C kernels
   (``c_int8``): weight-only quantization with fp32 activations, a quarter of the bytes per decode step
   (~4e-3 relative error per weight). Without them: int8 activations too, quantized per row (each row its
@@ -210,10 +210,13 @@ class FastLinear(torch.nn.Module):
     def _pack(self, w: torch.Tensor) -> None:
         """The representation of the fp32 weight w [out, in] that weight_dtype and the backend ask for."""
         if self.weight_dtype == "bf16":
-            if not ONEDNN_BF16_AVAILABLE:
-                raise RuntimeError("weight_dtype=bfloat16 needs oneDNN bf16 support")
-            self._w_packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), None)
-            self.backend, self._slow = "onednn_bf16", "bf16"
+            if ONEDNN_BF16_AVAILABLE:
+                self._w_packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), None)
+                self.backend = "onednn_bf16"
+            else:  # a CPU without bf16 instructions: torch's own bf16 matmul, the same roundings, slower
+                self._w_packed_bf16 = w.to(torch.bfloat16).contiguous()
+                self.backend = "torch_bf16"
+            self._slow = "bf16"
         elif self.weight_dtype == "int8" and kernels.kernel_enabled():
             self._w_blocks_int8 = kernels.pack_gemm_weight_int8(w)
             self.backend, self._slow = "c_int8", "c_int8"
@@ -383,7 +386,11 @@ class FastLinear(torch.nn.Module):
             return F.linear(x, self._w, self.bias)
         x2 = x.reshape(-1, self.in_features)
         if path == "bf16":
-            y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self._w_packed_bf16, None, "none", [], "")
+            if self.backend == "onednn_bf16":
+                y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self._w_packed_bf16, None, "none", [],
+                                                       "")
+            else:
+                y = F.linear(x2.to(torch.bfloat16), self._w_packed_bf16)
             y = y.float()
             if self.bias is not None:
                 y.add_(self.bias)

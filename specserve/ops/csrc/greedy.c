@@ -39,6 +39,11 @@
 #define SCREEN_COLS 16 /* columns of a screen block: one 16-lane int32 accumulator per activation row */
 #define SCREEN_ROWS 16 /* activation rows (8 x rows, two terms each) sharing every weight load; at 18
                         * and more GCC spilled the accumulators (dot products at 350 instead of ~770 GMAC/s) */
+/* The AVX2 path's rows a pass: 4 accumulators a row in 16 registers, so 2 rows (one row of x) keep them with
+ * the 4 weight vectors; the block's 16 columns (K4 * 64 bytes) stay in L1 for the next pass. */
+#ifndef SCREEN_ROWS_AVX2
+#define SCREEN_ROWS_AVX2 2
+#endif
 #define SCREEN_PREFETCH 4096 /* bytes ahead in the weight stream */
 #define SCAN 64 /* columns tested at once for candidates */
 
@@ -187,7 +192,7 @@ SCREEN_PASS(avx2, TARGET_AVX2)
 
 /* dots [R][Np] (Np = the columns rounded up to 16) for activation rows xu [R][K4 * 4] (R even: two terms a
  * row; rows up to R rounded up to 16 readable, zeros past R). Rows go through the weights in as few passes
- * as SCREEN_ROWS allows, the passes equal in size; on AMX, in tiles of 16 rows. */
+ * as SCREEN_ROWS (AVX2: SCREEN_ROWS_AVX2) allows, the passes equal in size; on AMX, in tiles of 16 rows. */
 static void screen_dots(const uint8_t *xu, int64_t R, int64_t K4, const int8_t *packed, int64_t Np, int32_t *dots) {
     const int path = int8_path_for(INT8_SCREEN, R / 2); /* R: two terms per row of x */
 #if defined(GREEDY_X86)
@@ -196,8 +201,13 @@ static void screen_dots(const uint8_t *xu, int64_t R, int64_t K4, const int8_t *
 #endif
     if (path == INT8_AMX_EMULATED) return screen_dots_amx_emulated(xu, R, K4, packed, Np, dots);
 #endif
-    const int64_t passes = (R + SCREEN_ROWS - 1) / SCREEN_ROWS;
-    const int64_t per_pass = 2 * ((R / 2 + passes - 1) / passes); /* activation rows, even, <= SCREEN_ROWS */
+#if defined(GREEDY_X86)
+    const int64_t most = path == INT8_AVX2 ? SCREEN_ROWS_AVX2 : SCREEN_ROWS;
+#else
+    const int64_t most = SCREEN_ROWS;
+#endif
+    const int64_t passes = (R + most - 1) / most;
+    const int64_t per_pass = 2 * ((R / 2 + passes - 1) / passes); /* activation rows, even, <= most */
 #pragma omp parallel for schedule(static) if (R * K4 * Np >= (1 << 16))
     for (int64_t b = 0; b < Np / SCREEN_COLS; b++) {
         const int8_t *w = packed + b * K4 * 64;

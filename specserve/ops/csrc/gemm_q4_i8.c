@@ -175,16 +175,6 @@ TARGET_AVX2 static inline ALWAYS_INLINE int32_t quantize_group_avx2(const float 
     return total;
 }
 
-#undef Q4_PATH
-#undef Q4_TARGET
-#undef Q4_L
-#undef Q4_F
-#undef Q4_I
-#undef Q4_U
-#undef Q4_ROWS
-#undef Q4_DOT4
-#undef Q4_FMADD
-#undef Q4_QUANTIZE_GROUP
 #define Q4_PATH avx2
 #define Q4_TARGET TARGET_AVX2
 #define Q4_L 8
@@ -240,16 +230,6 @@ TARGET_VNNI static inline ALWAYS_INLINE int32_t quantize_group_vnni(const float 
     return _mm512_reduce_add_epi32(sum);
 }
 
-#undef Q4_PATH
-#undef Q4_TARGET
-#undef Q4_L
-#undef Q4_F
-#undef Q4_I
-#undef Q4_U
-#undef Q4_ROWS
-#undef Q4_DOT4
-#undef Q4_FMADD
-#undef Q4_QUANTIZE_GROUP
 #define Q4_PATH vnni
 #define Q4_TARGET TARGET_VNNI
 #define Q4_L 16

@@ -3,7 +3,8 @@
  * vectors: 16 for 512-bit registers, 8 for 256-bit ones, whose wider vectors GCC would keep in memory), Q4_F /
  * Q4_I / Q4_U (its vectors of Q4_L floats, Q4_L int32 and 4 * Q4_L bytes), Q4_DOT4 (Q4_L lanes of 4 u8 x s8
  * products added to int32), Q4_FMADD (fused multiply-add of Q4_L floats) and Q4_QUANTIZE_GROUP (32 values to
- * two int8 digits). Every path does the same arithmetic in the same order, lane for lane. */
+ * two int8 digits). Every path does the same arithmetic in the same order, lane for lane. The header
+ * undefines these at its end, ready for the next path. */
 #define Q4_JOIN(a, b) a##_##b
 #define Q4_NAME(a, b) Q4_JOIN(a, b)
 
@@ -110,3 +111,13 @@ Q4_TARGET static void Q4_NAME(gemm_blocks, Q4_PATH)(const int8_t *xq, const floa
 #undef Q4_P
 #undef Q4_NAME
 #undef Q4_JOIN
+#undef Q4_PATH
+#undef Q4_TARGET
+#undef Q4_L
+#undef Q4_F
+#undef Q4_I
+#undef Q4_U
+#undef Q4_ROWS
+#undef Q4_DOT4
+#undef Q4_FMADD
+#undef Q4_QUANTIZE_GROUP

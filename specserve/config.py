@@ -8,6 +8,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 GGUF_COMPUTE = ("int8", "q8", "fp32")  # EngineConfig.gguf_compute
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")  # EngineConfig.kv_cache_dtype (specserve/ops/kv_cache.py)
 
 
 @dataclass
@@ -30,6 +31,10 @@ class EngineConfig:
     # "fp32" keeps fp32 activations, bitwise the dequantized model. Either way a row's result does not
     # depend on its batch, so speculation's greedy output equals plain decoding's.
     gguf_compute: str = "int8"
+    # How the paged KV cache stores K and V (target and drafter): "auto" in the model's dtype (fp32: exact),
+    # "bfloat16" (2x the tokens in the same memory), "int8" with an fp32 scale per token and kv head (~3.8x at
+    # head_dim 64). Greedy speculation stays equal to plain decoding on the same kv_cache_dtype.
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -56,6 +61,9 @@ class EngineConfig:
         if self.gguf_compute not in GGUF_COMPUTE:
             raise ValueError(f"gguf_compute must be one of {', '.join(map(repr, GGUF_COMPUTE))}, "
                              f"got {self.gguf_compute!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):

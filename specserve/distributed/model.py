@@ -29,7 +29,8 @@ class TensorParallelModel:
         """As LlamaForCausalLM.forward; the workers get the same inputs and use their own caches of this
         cache (same blocks, their heads)."""
         num_blocks, block_size = kv_caches[0][1].shape[:2]
-        args = (kv_caches[0][1].data_ptr(), num_blocks, block_size, input_ids, positions, meta, mm_embeds)
+        args = (kv_caches[0][1].data_ptr(), num_blocks, block_size, kv_caches[0][1].dtype, input_ids, positions, meta,
+                mm_embeds)
         return self.executor.run(FORWARD, args,
                                  lambda: self.local.forward(input_ids, positions, meta, kv_caches, mm_embeds))
 

@@ -97,11 +97,13 @@ class ShardWorker:
                 return
             handlers[name](*args)
 
-    def forward(self, cache_id: int, num_blocks: int, block_size: int, input_ids, positions, meta, mm_embeds):
+    def forward(self, cache_id: int, num_blocks: int, block_size: int, kv_dtype, input_ids, positions, meta,
+                mm_embeds):
+        """kv_dtype: how the driver's cache stores K/V (ops/kv_cache.py); this rank's heads are stored the same."""
         caches = self.kv_caches.get(cache_id)
-        if caches is None or caches[0][1].shape[:2] != (num_blocks, block_size):
+        if caches is None or caches[0][1].shape[:2] != (num_blocks, block_size) or caches[0][1].dtype != kv_dtype:
             caches = self.kv_caches[cache_id] = kv_caches(self.model.kv_cache_shape(num_blocks, block_size),
-                                                          self.model.dtype, self.model.num_layers)
+                                                          kv_dtype, self.model.num_layers)
         self.model.forward(input_ids, positions, meta, caches, mm_embeds)
 
 

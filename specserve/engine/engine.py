@@ -71,7 +71,7 @@ class LLMEngine:
                             if config.speculative_config else None)
         self.runner = ModelRunner(self.model, config.block_size, set(self.eos_token_ids), self.max_model_len,
                                   self.spec_config, config.linear_weight_dtype,
-                                  config.gguf_compute if config.keep_gguf_blocks else None)
+                                  config.gguf_compute if config.keep_gguf_blocks else None, config.kv_cache_dtype)
         num_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks, self.num_window_blocks)
         self.runner.calibrate_step_costs(min(num_blocks, self.num_window_blocks or num_blocks), config.max_num_seqs)

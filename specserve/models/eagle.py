@@ -17,6 +17,7 @@ from specserve.models.qwen2_vl import MRotaryEmbedding
 from specserve.models.rope import RotaryEmbedding, apply_rotary
 from specserve.ops import fused, kernels
 from specserve.ops.attention import AttentionMetadata, paged_attention
+from specserve.ops.kv_cache import KV_CODES
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key, value) caches, see attention.kv_caches
 
@@ -309,7 +310,8 @@ class Eagle3Head(_EagleHeadBase):
         struct = fused.Eagle3C(*(fused.linear_c(op) for op in linears), *(t.data_ptr() for t in norms), embed_ptr,
                                  fmt, group, *(t.data_ptr() for t in screen) if screen else (None,) * 4,
                                  draft_ids.data_ptr() if draft_ids is not None else None, caches[0].data_ptr(),
-                                 caches[1].data_ptr(), layer.window, int(bool(self.norm_before_residual)))
+                                 caches[1].data_ptr(), layer.window, int(bool(self.norm_before_residual)),
+                                 KV_CODES[caches[0].dtype])
         struct.keep = (linears, norms, keep, screen, draft_ids, caches)  # what the pointers point into
         return struct
 

@@ -10,9 +10,10 @@ gguf package's dequantizer agree value for value (Q4_0's zero weights can differ
 sees). F16 weights keep their halves in the fp32 GEMM's block layout.
 
 `QuantizedWeight.for_int8_activations()` turns a 4-bit weight (groups of 32) into the layout of
-csrc/gemm_q4_i8.c, which writes each input row per group as two int8 digits (~15 bits; Q4_I8) or one (8 bits,
-llama.cpp's Q8_0 activations; Q4_Q8) and takes integer dot products: the same bytes reordered, extra rows
-cheaper than on fp32 activations, at the cost of the activations' rounding (`EngineConfig.gguf_compute`).
+csrc/gemm_q4_i8.c and an 8-bit one (groups of 32 or 16) into that of csrc/gemm_q8_i8.c, which write each input
+row per group of 32 as two int8 digits (~15 bits; Q4_I8, Q8_I8) or one (8 bits, llama.cpp's Q8_0 activations;
+Q4_Q8, Q8_Q8) and take integer dot products: the same bytes reordered, extra rows cheaper than on fp32
+activations, at the cost of the activations' rounding (`EngineConfig.gguf_compute`).
 """
 from __future__ import annotations
 
@@ -30,9 +31,13 @@ logger = logging.getLogger(__name__)
 BLOCK = kernels.GEMM_BLOCK  # output columns per packed block
 Q4, Q8, F16 = kernels.WEIGHT_Q4, kernels.WEIGHT_Q8, kernels.WEIGHT_F16
 Q4_I8, Q4_Q8 = kernels.WEIGHT_Q4_I8, kernels.WEIGHT_Q4_Q8  # 4-bit blocks x int8 activations, two digits or one
-INT8_ACTIVATION_FORMATS = (Q4_I8, Q4_Q8)
-_FORMAT_NAMES = {Q4: "q4", Q8: "q8", F16: "f16", Q4_I8: "q4 x int8", Q4_Q8: "q4 x q8"}
-# EngineConfig.gguf_compute -> the int8 digits per activation of the 4-bit GEMM (absent: fp32 activations)
+Q8_I8, Q8_Q8 = kernels.WEIGHT_Q8_I8, kernels.WEIGHT_Q8_Q8  # 8-bit blocks x int8 activations, two digits or one
+# each int8-activation format -> (the exact format of the same values, digits per activation)
+_INT8_FORMS = {Q4_I8: (Q4, 2), Q4_Q8: (Q4, 1), Q8_I8: (Q8, 2), Q8_Q8: (Q8, 1)}
+INT8_ACTIVATION_FORMATS = tuple(_INT8_FORMS)
+_FORMAT_NAMES = {Q4: "q4", Q8: "q8", F16: "f16", Q4_I8: "q4 x int8", Q4_Q8: "q4 x q8", Q8_I8: "q8 x int8",
+                 Q8_Q8: "q8 x q8"}
+# EngineConfig.gguf_compute -> the int8 digits per activation of the int8 GEMMs (absent: fp32 activations)
 ACTIVATION_DIGITS = {"int8": 2, "q8": 1}
 _HEADER = 2 * BLOCK * 4  # a[32] and b[32] fp32 at the start of each record
 _SUPER = 256  # values per k-quant super-block
@@ -205,22 +210,29 @@ class QuantizedWeight:
         return cls.pack(q, a, b, fmt, group, type_name)
 
     def for_int8_activations(self, digits: int = 2) -> "QuantizedWeight":
-        """This 4-bit weight (groups of 32) in gemm_q4_i8.c's layout, for activations as `digits` int8 digits
-        (2: Q4_I8, 1: Q4_Q8): each record's q bytes from [k][16] to [k / 4][16][4]. Other formats are
-        returned as they are."""
+        """This weight for activations as `digits` int8 digits: a 4-bit one (groups of 32) in gemm_q4_i8.c's
+        layout (2: Q4_I8, 1: Q4_Q8; each record's q bytes from [k][16] to [k / 4][16][4]), an 8-bit one (groups
+        of 32 or 16) in gemm_q8_i8.c's (2: Q8_I8, 1: Q8_Q8; each q as q + 128, from [k][32] to [k / 4][32][4]).
+        Other formats are returned as they are."""
         if digits not in (1, 2):
             raise ValueError(f"digits must be 1 or 2, got {digits}")
         if self.format in INT8_ACTIVATION_FORMATS:
             return self.as_exact().for_int8_activations(digits)
-        if self.format != Q4 or self.group != 32:
-            return self
-        return QuantizedWeight(_regroup_q4(self.packed, to_quads=True), Q4_I8 if digits == 2 else Q4_Q8, 32,
-                               self.shape, self.qtype)
+        if self.format == Q4 and self.group == 32:
+            return QuantizedWeight(_regroup_q4(self.packed, to_quads=True), Q4_I8 if digits == 2 else Q4_Q8, 32,
+                                   self.shape, self.qtype)
+        if self.format == Q8 and self.group in (16, 32):
+            return QuantizedWeight(_regroup_q8(self.packed, self.group, to_quads=True),
+                                   Q8_I8 if digits == 2 else Q8_Q8, self.group, self.shape, self.qtype)
+        return self
 
     def as_exact(self) -> "QuantizedWeight":
         """The fp32-activation form of the same values (the inverse of for_int8_activations)."""
         if self.format not in INT8_ACTIVATION_FORMATS:
             return self
+        if _INT8_FORMS[self.format][0] == Q8:
+            return QuantizedWeight(_regroup_q8(self.packed, self.group, to_quads=False), Q8, self.group, self.shape,
+                                   self.qtype)
         return QuantizedWeight(_regroup_q4(self.packed, to_quads=False), Q4, 32, self.shape, self.qtype)
 
     # ------------------------------------------------------------------ reading back
@@ -296,6 +308,16 @@ def _regroup_q4(packed: torch.Tensor, to_quads: bool) -> torch.Tensor:
     return torch.from_numpy(out.reshape(-1))
 
 
+def _regroup_q8(packed: torch.Tensor, group: int, to_quads: bool) -> torch.Tensor:
+    """Q8 records of `group` k's with each record's q bytes from int8 [k][32] to q + 128 in [k / 4][32][4]
+    (to_quads) or back."""
+    records = packed.numpy().reshape(-1, _HEADER + 32 * group)
+    shape = (-1, group // 4, 4, 32) if to_quads else (-1, group // 4, 32, 4)
+    out = records.copy()
+    out[:, _HEADER:] = (records[:, _HEADER:].reshape(shape).transpose(0, 1, 3, 2) ^ 0x80).reshape(-1, 32 * group)
+    return torch.from_numpy(out.reshape(-1))
+
+
 def quantize_q4(weight: torch.Tensor, group: int = 32) -> QuantizedWeight:
     """[N, K] fp32 -> 4-bit values in groups of `group` along K, each value q * a + b with q in 0..15, a = (max -
     min) / 15 and b = min of its group (GGUF Q4_1's rule): an approximate weight for drafters, a quarter of
@@ -313,16 +335,16 @@ def quantize_q4(weight: torch.Tensor, group: int = 32) -> QuantizedWeight:
 
 
 def int8_activation_weights(state_dict: Mapping, digits: int = 2) -> Mapping:
-    """The decoder layers' 4-bit QuantizedWeights in the int8-activation layout (for_int8_activations) for
-    `digits` int8 digits per activation; embeddings and the LM head keep theirs (lookups and the exact
-    greedy argmax read them). Each weight is repacked when it is read and not kept: a model builder that
-    fuses q/k/v or gate/up holds one copy of them, never the parts and the fused weight of every layer at
-    once (a 1.5B model's blocks are ~1 GB)."""
+    """The decoder layers' 4-bit and 8-bit QuantizedWeights in the int8-activation layouts
+    (for_int8_activations) for `digits` int8 digits per activation; embeddings and the LM head keep theirs
+    (lookups and the exact greedy argmax read them). Each weight is repacked when it is read and not kept: a
+    model builder that fuses q/k/v or gate/up holds one copy of them, never the parts and the fused weight of
+    every layer at once (a 1.5B model's blocks are ~1 GB)."""
     return Int8ActivationWeights(state_dict, digits)
 
 
 class Int8ActivationWeights(Mapping):
-    """A read-only view of a state dict with the decoder layers' 4-bit weights in the int8-activation layout,
+    """A read-only view of a state dict with the decoder layers' GGUF blocks in the int8-activation layouts,
     made on each read (see int8_activation_weights)."""
 
     def __init__(self, state_dict: Mapping, digits: int) -> None:
@@ -348,13 +370,15 @@ def cat_rows(weights: list) -> "QuantizedWeight | torch.Tensor":
     if not any(isinstance(w, QuantizedWeight) for w in weights):
         return torch.cat(weights)
     formats = {w.format if isinstance(w, QuantizedWeight) else None for w in weights}
-    if len(formats) == 1 and formats <= set(INT8_ACTIVATION_FORMATS):
-        if all(w.group == 32 for w in weights) and all(w.shape[0] % BLOCK == 0 for w in weights[:-1]):
+    if formats <= set(INT8_ACTIVATION_FORMATS):
+        groups = {w.group for w in weights}
+        if len(formats) == 1 and len(groups) == 1 and all(w.shape[0] % BLOCK == 0 for w in weights[:-1]):
             # whole column blocks: the records follow each other, each reordered within itself
             n = sum(w.shape[0] for w in weights)
-            return QuantizedWeight(torch.cat([w.packed for w in weights]), weights[0].format, 32,
+            return QuantizedWeight(torch.cat([w.packed for w in weights]), weights[0].format, groups.pop(),
                                    (n, weights[0].shape[1]), _joined_qtype(weights))
-        return cat_rows([w.as_exact() for w in weights]).for_int8_activations(2 if Q4_I8 in formats else 1)
+        digits = max(_INT8_FORMS[f][1] for f in formats)
+        return cat_rows([w.as_exact() for w in weights]).for_int8_activations(digits)
     weights = [w.as_exact() if isinstance(w, QuantizedWeight) else w for w in weights]
     if not all(isinstance(w, QuantizedWeight) and w.format in (Q4, Q8) for w in weights):
         if all(isinstance(w, QuantizedWeight) and w.format == F16 for w in weights):

@@ -23,10 +23,11 @@ Backend override: ``SPECSERVE_LINEAR_BACKEND`` in {auto, c, torch, numpy, onednn
 FastLinear is constructed), or the ``backend=`` constructor argument.
 
 GGUF weights kept quantized (``FastLinear(QuantizedWeight)``, see ``specserve.models.gguf_quant``): the C
-GEMM reads the file's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16) and dequantizes them in registers to
-exactly the fp32 values the load-time dequantizer produces, with the fp32 GEMM's summation order: outputs
-bitwise equal to the fp32 path at a fifth to a third of the bytes. Without the C kernels the weight is
-dequantized once.
+GEMM reads the file's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16) and dequantizes them in
+registers to exactly the fp32 values the load-time dequantizer produces, with the fp32 GEMM's summation order:
+outputs bitwise equal to the fp32 path at a fifth to a third of the bytes; in the int8-activation formats
+(``for_int8_activations``) it takes integer dot products on int8-quantized activations instead. Without the
+C kernels the weight is dequantized once.
 
 Approximate (opt-in only, ``weight_dtype=``):
 
@@ -56,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models import openblas
-from specserve.models.gguf_quant import INT8_ACTIVATION_FORMATS, QuantizedWeight
+from specserve.models.gguf_quant import INT8_ACTIVATION_FORMATS, Q4_I8, Q4_Q8, Q8_I8, Q8_Q8, QuantizedWeight
 from specserve.ops import greedy_screen, kernels
 from specserve.ops.int8_routes import Int8Call
 
@@ -438,18 +439,24 @@ def _int8_rows_linear(x: torch.Tensor, q: torch.Tensor, w_scales: torch.Tensor,
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a decoder layer's linear layers, as every model names them
 
 
+# the int8 kernel (int8_routes' name) of each int8-activation format: 4-bit blocks, 8-bit blocks
+_INT8_KERNEL = {Q4_I8: "gemm", Q4_Q8: "gemm", Q8_I8: "gemm_q8", Q8_Q8: "gemm_q8"}
+
+
 def int8_workloads(model) -> dict[str, list[Int8Call]]:
-    """The model's calls of the int8 kernels, in the order a step makes them: its projections in 4-bit blocks
-    with int8 activations ("gemm") and its LM head's argmax screen ("screen"); what int8_routes times."""
-    gemm = []
+    """The model's calls of the int8 kernels, in the order a step makes them: its projections with int8
+    activations, in 4-bit blocks ("gemm") and in 8-bit ones ("gemm_q8"), and its LM head's argmax screen
+    ("screen"); what int8_routes times."""
+    calls = {"gemm": [], "gemm_q8": []}
     for layer in getattr(model, "layers", ()):
         for name in PROJECTIONS:
             linear = getattr(getattr(layer, name, None), "local", getattr(layer, name, None))
             wq = getattr(linear, "_wq", None)
             if isinstance(linear, FastLinear) and wq is not None and wq.format in INT8_ACTIVATION_FORMATS:
-                gemm.append(Int8Call(linear.in_features, (wq.format, linear.out_features), linear))
+                call = Int8Call(linear.in_features, (wq.format, linear.out_features), linear)
+                calls[_INT8_KERNEL[wq.format]].append(call)
     head = getattr(model, "lm_head", None)
     screen = []
     if isinstance(head, FastLinear) and head._screen is not None:
         screen.append(Int8Call(head.in_features, ("screen", head.out_features), head.argmax))
-    return {"gemm": gemm, "screen": screen}
+    return {**calls, "screen": screen}

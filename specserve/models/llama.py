@@ -16,6 +16,7 @@ from specserve.models.moe import MoEConfig, MoEMLP
 from specserve.models.rope import RotaryEmbedding, apply_rotary, rope_parameters
 from specserve.ops import fused, kernels
 from specserve.ops.attention import AttentionMetadata, paged_attention
+from specserve.ops.kv_cache import KV_CODES
 
 
 @dataclass
@@ -369,7 +370,7 @@ class LlamaForCausalLM:
             k_cache, v_cache = cache_tensors[2 * i], cache_tensors[2 * i + 1]
             layers[i] = fused.DecoderLayerC(*map(fused.linear_c, ops), layer.input_norm.data_ptr(),
                                               layer.post_norm.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                              layer.window)
+                                              layer.window, KV_CODES[k_cache.dtype])
         return layers
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,

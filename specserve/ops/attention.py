@@ -6,11 +6,12 @@ in a layer with a sliding window w, to the last w tokens up to itself (`paged_at
 step's metadata serves layers of every window).
 With the C kernel of `kernels.py` every request (decode, 1 + k verification, prefill chunks) is
 computed from the block pool in place, faster than SDPA over gathered blocks (1.7x for a 128-token
-prompt, and still ahead at 1024 tokens). Without it (no compiler, a non-fp32 cache,
+prompt, and still ahead at 1024 tokens). Without it (no compiler, a model not in fp32,
 SPECSERVE_KERNELS=torch), short queries are padded into batched SDPA calls by context length and long
 queries (prefill chunks) run one request at a time through SDPA. Per layer: write the step's K/V into
 the cache first, then attend, so a request may read blocks another request fills in the same step
-(prefix-cache hits).
+(prefix-cache hits). The caches store K and V as fp32, bf16 or int8 rows with their scales (ops/kv_cache.py):
+converted on write, read back as the query's dtype, by either path.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from specserve.ops import hugepages
 from specserve.ops.kernels import paged_attention_c
+from specserve.ops.kv_cache import decode, encode, round_trip, row_width
 
 # PyTorch path: queries up to this length are batched together with padding; longer ones run alone.
 MAX_BATCHED_QUERY_LEN = 16
@@ -42,7 +44,7 @@ class ContextBlocks:
     length: int  # L: keys per request once read (padded to whole blocks when gathered)
 
     def read(self, cache: torch.Tensor) -> torch.Tensor:
-        """cache: [num_blocks, block_size, Hkv, D] (either layout of kv_caches) -> [B, L, Hkv, D]."""
+        """cache: [num_blocks, block_size, Hkv, R] (either layout of kv_caches) -> [B, L, Hkv, R], rows as stored."""
         block_size = cache.shape[1]
         if self.block_ids is None:
             count = -(-self.length // block_size)
@@ -245,13 +247,16 @@ def _build_prefill(i, starts, query_lens, context_lens, block_tables, block_size
 
 
 def kv_caches(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (key, value) pair of zeroed caches per layer, each indexed [num_blocks, block_size, Hkv, D] =
-    `shape`, on huge pages where available. Values are stored in that order; keys as [num_blocks, Hkv, D,
-    block_size] (the tensor is a permuted view of that), so the C kernel reads a block's 16 keys as one
-    vector per dimension."""
+    """One (key, value) pair of zeroed caches per layer for `shape` = [num_blocks, block_size, Hkv, D], on huge
+    pages where available, each indexed [num_blocks, block_size, Hkv, R]: R = D, or for dtype torch.int8 D + 4,
+    each row's int8 numbers and then its scale's bytes (kv_cache.py). Values are stored in that order; keys as
+    [num_blocks, Hkv, R, block_size] (the tensor is a permuted view of that), so the C kernel reads a block's
+    16 keys as one vector per dimension."""
     num_blocks, block_size, num_kv_heads, head_dim = shape
-    stored = (num_blocks, num_kv_heads, head_dim, block_size)
-    return [(hugepages.zeros(stored, dtype).permute(0, 3, 1, 2), hugepages.zeros(shape, dtype))
+    row = row_width(head_dim, dtype)
+    stored = (num_blocks, num_kv_heads, row, block_size)
+    return [(hugepages.zeros(stored, dtype).permute(0, 3, 1, 2),
+             hugepages.zeros((num_blocks, block_size, num_kv_heads, row), dtype))
             for _ in range(num_layers)]
 
 
@@ -262,13 +267,14 @@ def kernel_key_layout(k_cache: torch.Tensor) -> torch.Tensor:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, slot_rows: torch.Tensor | None = None) -> None:
-    """k_cache, v_cache: [num_blocks, block_size, Hkv, D] (kv_caches' layouts); k, v: [N, Hkv, D]; row
-    slot_rows[w] (None: row w) goes to slot slot_mapping[w]."""
+    """k_cache, v_cache: [num_blocks, block_size, Hkv, R] (kv_caches' layouts); k, v: [N, Hkv, D]; row
+    slot_rows[w] (None: row w) goes to slot slot_mapping[w], converted to the caches' storage."""
     if slot_rows is not None:
         k, v = k[slot_rows], v[slot_rows]
-    num_kv_heads, head_dim, block_size = k.shape[1], k.shape[2], k_cache.shape[1]
+    k, v = encode(k, k_cache.dtype), encode(v, v_cache.dtype)
+    num_kv_heads, row, block_size = k.shape[1], k.shape[2], k_cache.shape[1]
     k_cache[slot_mapping // block_size, slot_mapping % block_size] = k
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    v_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, v)
 
 
 def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
@@ -307,16 +313,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         paged_attention_c(q.contiguous(), out, k_cache, v_cache, kb.block_table, kb.query_start, kb.query_len,
                               kb.context_len, scale, window)
     for g in meta.batched:
-        o = _attend(q[g.token_index], g.context.read(k_cache), g.context.read(v_cache), g.mask_for(window), scale)
+        o = _attend(q[g.token_index], decode(g.context.read(k_cache), head_dim, q.dtype),
+                    decode(g.context.read(v_cache), head_dim, q.dtype), g.mask_for(window), scale)
         out.index_copy_(0, g.out_index, o.reshape(-1, num_heads * head_dim)[g.valid_index])
     for p in meta.prefills:
         mask = p.mask_for(window)
-        if p.context is None:
-            o = _attend(q[None, p.start:p.end], k[None, p.start:p.end], v[None, p.start:p.end],
+        if p.context is None:  # this step's keys and values, as the cache gives them back
+            o = _attend(q[None, p.start:p.end], round_trip(k[None, p.start:p.end], k_cache.dtype),
+                        round_trip(v[None, p.start:p.end], v_cache.dtype),
                         None if mask is None else mask[None, None], scale, causal=mask is None)
         else:
-            o = _attend(q[None, p.start:p.end], p.context.read(k_cache), p.context.read(v_cache),
-                        mask[None, None], scale)
+            o = _attend(q[None, p.start:p.end], decode(p.context.read(k_cache), head_dim, q.dtype),
+                        decode(p.context.read(v_cache), head_dim, q.dtype), mask[None, None], scale)
         out[p.start:p.end] = o.reshape(-1, num_heads * head_dim)
     return out
 

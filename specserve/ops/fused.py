@@ -21,7 +21,8 @@ class DecoderLayerC(ctypes.Structure):
     """csrc/decoder.c's layer_t."""
     _fields_ = [("qkv", LinearC), ("o_proj", LinearC), ("gate_up", LinearC), ("down", LinearC),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64),
+                ("kv_dtype", ctypes.c_int64)]  # kv_cache.KV_CODES of the caches' dtype
 
 
 def linear_c(operands: tuple) -> LinearC:
@@ -83,7 +84,7 @@ class Eagle3C(ctypes.Structure):
                 ("embed_group", ctypes.c_int64), ("screen_q", ctypes.c_void_p), ("screen_scale", ctypes.c_void_p),
                 ("screen_col_sum", ctypes.c_void_p), ("screen_w_l1", ctypes.c_void_p), ("draft_ids", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64),
-                ("norm_before_residual", ctypes.c_int64)]
+                ("norm_before_residual", ctypes.c_int64), ("kv_dtype", ctypes.c_int64)]
 
 
 def eagle3_chains(head: Eagle3C, g0: torch.Tensor, num_drafts: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -2,10 +2,11 @@
 calls the first time a model of these shapes runs with this kernel build on this CPU and thread count, then
 read from a file beside the built kernels.
 
-Every path gives the same bits (csrc/gemm_q4_i8.c), so a call may take whichever is fastest for its rows: AMX
-tiles pay only from some row count on (a one-row call is bound by the weights' bytes, and the tiles' setup
-and epilogue cost more than the dot products they save), while the fastest vector path is the one to beat
-at one row. The choice is a measurement, never the CPU's flags alone (ARCHITECTURE.md, invariant 10).
+Every path gives the same bits (csrc/gemm_q4_i8.c, csrc/gemm_q8_i8.c), so a call may take whichever is fastest
+for its rows: AMX tiles pay only from some row count on (a one-row call is bound by the weights' bytes, and the
+tiles' setup and epilogue cost more than the dot products they save), while the fastest vector path is the one
+to beat at one row; a kernel without an AMX version (the Q8-layout GEMM) is timed on the others only. The
+choice is a measurement, never the CPU's flags alone (ARCHITECTURE.md, invariant 10).
 
 How the table is made (`measure`, `choose`):
 - the fastest vector path the CPU runs (by its flags: AVX512-VNNI, else AVX2, else portable) is the baseline,
@@ -43,11 +44,9 @@ from specserve.ops import kernels
 logger = logging.getLogger(__name__)
 
 CACHE_VERSION = 1
-MEASURED_ROWS = {
-    "gemm": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512),
-    "screen": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
-}
-PROBE_ROWS = {"gemm": (1, 16, 256), "screen": (1, 16, 64)}
+_GEMM_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512)
+MEASURED_ROWS = {"gemm": _GEMM_ROWS, "gemm_q8": _GEMM_ROWS, "screen": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)}
+PROBE_ROWS = {"gemm": (1, 16, 256), "gemm_q8": (1, 16, 256), "screen": (1, 16, 64)}
 MARGIN = 0.03
 CLOSE = 0.15
 SLOW = 2.0
@@ -208,17 +207,19 @@ def ensure_routes(workloads: dict[str, list[Int8Call]]) -> dict[str, RouteTable]
     workloads = {kernel: calls for kernel, calls in workloads.items() if calls}
     if not workloads or not kernels.kernel_enabled() or kernels.forced_int8_path() is not None:
         return {}
-    runs = kernels.int8_paths()
+    runs = {kernel: kernels.int8_paths(kernel) for kernel in workloads}  # the paths each kernel has here
     key = workload_key(workloads)
     file = cache_file()
-    tables = _read_entry(file, key, runs, list(workloads))
+    tables = _read_entry(file, key, runs)
     if tables is None:
-        logger.info("int8 kernels: timing the paths %s on this model's calls (once for this model here)", runs)
+        logger.info("int8 kernels: timing the paths %s on this model's calls (once for this model here)",
+                    kernels.int8_paths())
         try:
-            timings = {kernel: measure(kernel, calls, runs) for kernel, calls in workloads.items()}
+            timings = {kernel: measure(kernel, calls, runs[kernel]) for kernel, calls in workloads.items()}
         finally:  # measuring forces paths one by one: what was routed before comes back whatever happens
             kernels.set_int8_path(None)
-        tables = {kernel: choose(kernel, per_path, baseline_path(runs)) for kernel, per_path in timings.items()}
+        tables = {kernel: choose(kernel, per_path, baseline_path(runs[kernel]))
+                  for kernel, per_path in timings.items()}
         _write_entry(file, key, tables, timings)
     for kernel, table in tables.items():
         kernels.set_int8_routes(kernel, table.per_row())
@@ -242,8 +243,9 @@ def cache_file() -> Path:
     return library.with_name(library.stem + ".int8-routes.json")
 
 
-def _read_entry(file: Path, key: str, runs: list[str], kernel_names: list[str]) -> dict[str, RouteTable] | None:
-    """The tables cached for `key`, or None when there are none or the file cannot be trusted (logged)."""
+def _read_entry(file: Path, key: str, runs: dict[str, list[str]]) -> dict[str, RouteTable] | None:
+    """The tables cached for `key` (one per kernel of `runs`, each naming only the paths runs[kernel] lists), or
+    None when there are none or the file cannot be trusted (logged)."""
     if not file.exists():
         return None
     try:
@@ -253,7 +255,8 @@ def _read_entry(file: Path, key: str, runs: list[str], kernel_names: list[str]) 
         entry = data["entries"].get(key)
         if entry is None:
             return None
-        tables = {kernel: RouteTable.from_json(kernel, entry["tables"][kernel], runs) for kernel in kernel_names}
+        tables = {kernel: RouteTable.from_json(kernel, entry["tables"][kernel], paths)
+                  for kernel, paths in runs.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         logger.warning("int8 routes: %s is not usable (%s); measuring again", file, e)
         return None

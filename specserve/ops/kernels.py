@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.ops.kv_cache import KV_CODES
 from specserve.ops.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -32,8 +33,8 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "SPECSERVE_KERNELS"
 BACKENDS = ("auto", "c", "torch")
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "gemm_gguf.c", "gemm_q4_i8.c", "decoder.c", "greedy.c",
-                        "kv_copy.c", "ngram.c", "probe.c")]
+           for name in ("paged_attention.c", "layer_ops.c", "gemm.c", "gemm_gguf.c", "gemm_q4_i8.c", "gemm_q8_i8.c",
+                        "decoder.c", "greedy.c", "kv_copy.c", "ngram.c", "probe.c")]
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # all of them: a header edit rebuilds
 # -fno-trapping-math lets GCC vectorize floorf (no FP exceptions are relied on anywhere).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -138,8 +139,8 @@ def _run_compiler(command: list[str], what: str) -> None:
 def _bind(lib):
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "paged_attention_f32": ([ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64],
-                                ctypes.c_int),
+        "paged_attention_f32": ([ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64,
+                                 i64], ctypes.c_int),
         "add_rms_norm_f32": ([ptr, ptr, ptr, ptr, i64, i64, f32], None),
         "silu_mul_f32": ([ptr, ptr, i64, i64], None),
         "rope_qk_f32": ([ptr, ptr, ptr, i64, i64, i64, i64], None),
@@ -174,15 +175,17 @@ def _bind(lib):
     return lib
 
 
-# Instruction-set paths of the int8 kernels (the 4-bit GEMM, csrc/gemm_q4_i8.c, and the LM head's screen,
-# csrc/greedy.c), slowest first: all give the same bits. Each call takes the path its kernel's route gives its
-# row count: measured routes once a model has set them (specserve.ops.int8_routes), before that the fastest
-# vector path the CPU runs; SPECSERVE_INT8_PATH forces one path for every call. AMX_EMULATED is the AMX path's
-# code with the tile instructions written in C, for tests on CPUs without AMX: never chosen by itself.
+# Instruction-set paths of the int8 kernels (the 4-bit GEMM, csrc/gemm_q4_i8.c, the Q8-layout GEMM,
+# csrc/gemm_q8_i8.c, and the LM head's screen, csrc/greedy.c), slowest first: all give the same bits. Each call
+# takes the path its kernel's route gives its row count: measured routes once a model has set them
+# (specserve.ops.int8_routes), before that the fastest vector path the CPU runs; SPECSERVE_INT8_PATH forces one
+# path for every call. AMX_EMULATED is the AMX path's code with the tile instructions written in C, for tests on
+# CPUs without AMX: never chosen by itself.
 INT8_PATHS = ("portable", "avx2", "avx512_vnni", "amx")
 AMX_EMULATED = "amx_emulated"
 ALL_INT8_PATHS = (*INT8_PATHS, AMX_EMULATED)
-INT8_KERNELS = ("gemm", "screen")  # the C enum's order (csrc/specserve_kernels.h)
+INT8_KERNELS = ("gemm", "screen", "gemm_q8")  # the C enum's order (csrc/specserve_kernels.h)
+NO_AMX_KERNELS = ("gemm_q8",)  # kernels without an AMX version: their routes never name it
 INT8_ROUTE_ROWS = 1024  # row counts routed one by one; larger calls take the last one's path
 INT8_PATH_ENV = "SPECSERVE_INT8_PATH"
 _routes: dict[str, list[str]] = {}  # per kernel, the measured paths of row counts 1..n (set_int8_routes)
@@ -216,10 +219,11 @@ def forced_int8_path(lib=None) -> str | None:
     return asked
 
 
-def int8_paths() -> list[str]:
-    """The int8 kernels' instruction-set paths this CPU runs, slowest first."""
+def int8_paths(kernel: str | None = None) -> list[str]:
+    """The int8 kernels' instruction-set paths this CPU runs, slowest first; with `kernel`, those it has."""
     lib = _lib()
-    return [name for i, name in enumerate(INT8_PATHS) if lib.q4_i8_supported(i)]
+    runs = [name for i, name in enumerate(INT8_PATHS) if lib.q4_i8_supported(i)]
+    return [name for name in runs if name != "amx"] if kernel in NO_AMX_KERNELS else runs
 
 
 def set_int8_path(name: str | None) -> str:
@@ -249,6 +253,8 @@ def set_int8_routes(kernel: str, paths: list[str], remember: bool = True) -> Non
         raise ValueError(f"int8 kernel {kernel!r}: one of {INT8_KERNELS}")
     if not 1 <= len(paths) <= INT8_ROUTE_ROWS or any(p not in ALL_INT8_PATHS for p in paths):
         raise ValueError(f"int8 routes: 1 to {INT8_ROUTE_ROWS} paths from {ALL_INT8_PATHS}, got {paths[:8]}...")
+    if kernel in NO_AMX_KERNELS and {"amx", AMX_EMULATED} & set(paths):
+        raise ValueError(f"int8 routes for {kernel}: it has no AMX path")
     _apply_routes(_lib(), kernel, paths)
     if remember:
         _routes[kernel] = list(paths)
@@ -307,22 +313,26 @@ def paged_attention_c(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
     """Write the attention output of the listed requests' query tokens (any query length) into `out`.
     window: 0, or a sliding window (each query sees its last `window` keys, itself included).
 
-    q: [N, H, D]; caches: [num_blocks, block_size, Hkv, D] in attention.kv_caches' layouts (values
-    contiguous, keys transposed within each block); block_table: [S, W] int64; query_start, query_len,
-    context_len: [S] int64. All fp32/int64, the rest contiguous.
+    q: [N, H, D]; caches: [num_blocks, block_size, Hkv, R] in attention.kv_caches' layouts (values
+    contiguous, keys transposed within each block), fp32, bf16 or int8 rows (kv_cache.py); block_table: [S, W]
+    int64; query_start, query_len, context_len: [S] int64. q and out fp32, the rest contiguous.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    _check(q=q, out=out, v_cache=v_cache)
-    if k_cache.dtype != torch.float32 or not k_cache.permute(0, 2, 3, 1).is_contiguous():
-        raise ValueError("C kernel: k_cache must be fp32 and stored [num_blocks, Hkv, D, block_size] (a permuted "
-                         f"view, as attention.kv_caches makes it), got {k_cache.dtype} with strides {k_cache.stride()}")
+    _check(q=q, out=out)
+    if k_cache.dtype not in KV_CODES or v_cache.dtype != k_cache.dtype or not v_cache.is_contiguous():
+        raise ValueError(f"C kernel: caches must be contiguous {list(KV_CODES)} of one dtype, got "
+                         f"{k_cache.dtype} and {v_cache.dtype}")
+    if not k_cache.permute(0, 2, 3, 1).is_contiguous():
+        raise ValueError("C kernel: k_cache must be stored [num_blocks, Hkv, R, block_size] (a permuted view, as "
+                         f"attention.kv_caches makes it), got strides {k_cache.stride()}")
     _check(torch.int64, block_table=block_table, query_start=query_start, query_len=query_len,
            context_len=context_len)
     failed = _lib().paged_attention_f32(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
         block_table.shape[1], query_start.data_ptr(), query_len.data_ptr(), context_len.data_ptr(),
-        len(query_start), num_heads, num_kv_heads, head_dim, block_size, float(scale), int(window))
+        len(query_start), num_heads, num_kv_heads, head_dim, block_size, float(scale), int(window),
+        KV_CODES[k_cache.dtype])
     if failed:
         raise MemoryError("paged kernel: out of memory for its work buffer")
 
@@ -395,13 +405,15 @@ def gemm_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 # Formats of csrc/gemm_gguf.c's packed weights (specserve_kernels.h); see specserve.models.gguf_quant.
 WEIGHT_F32, WEIGHT_Q4, WEIGHT_Q8, WEIGHT_F16, WEIGHT_Q4_I8, WEIGHT_Q4_Q8 = 0, 2, 3, 4, 5, 6
+WEIGHT_Q8_I8, WEIGHT_Q8_Q8 = 7, 8
 
 
 def gemm_weight(x: torch.Tensor, packed: torch.Tensor, weight_format: tuple[int, int], bias: torch.Tensor | None,
                 out_features: int) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] for W packed in one of gemm_weight's formats (csrc/gemm_gguf.c):
-    bitwise what gemm_packed gives on the dequantized fp32 weight, except WEIGHT_Q4_I8 and WEIGHT_Q4_Q8, which
-    round x per group of 32 to two int8 digits or one (csrc/gemm_q4_i8.c); either way a row's result does not
+    bitwise what gemm_packed gives on the dequantized fp32 weight, except the int8-activation formats
+    (WEIGHT_Q4_I8, WEIGHT_Q8_I8 and their one-digit twins WEIGHT_Q4_Q8, WEIGHT_Q8_Q8), which round x per group
+    of 32 to two int8 digits or one (csrc/gemm_q4_i8.c, csrc/gemm_q8_i8.c); either way a row's result does not
     depend on M."""
     _check(x=x, **({"bias": bias} if bias is not None else {}))
     if not packed.is_contiguous():

@@ -50,7 +50,8 @@ class DraftModelProposer:
         # (not when the target's windowed layers keep tables of their own, which the drafter is not given)
         self.shares_target_kv = _is_self_draft(self.model, target.model) and not getattr(target.model, "mixed_windows", ())
         cfg = self.model.config
-        own_kv = KVCacheSpec(self.model.num_layers, cfg.num_key_value_heads, cfg.head_dim, self.model.dtype)
+        own_kv = KVCacheSpec(self.model.num_layers, cfg.num_key_value_heads, cfg.head_dim, target.kv_dtype,
+                             self.model.dtype)
         self.needs = DrafterNeeds(kv=None if self.shares_target_kv else own_kv,
                                   num_lookahead_tokens=spec_config.num_speculative_tokens,
                                   reads_target_kv=self.shares_target_kv,

@@ -25,7 +25,7 @@ class DrafterKVCache:
         self.window = window
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.caches = kv_caches(shape, spec.dtype, spec.num_layers)  # per layer (k, v)
-        self.use_kernel = kernel_usable(spec.dtype)
+        self.use_kernel = kernel_usable(spec.compute_dtype)
         self.num_valid: dict[str, int] = {}  # per request: tokens [0, n) whose drafter KV is in place
         self.tree_scratch: list[int] = []  # blocks no request owns, for drafting trees (the runner's tree scratch)
         self.valid_blocks: set[int] = set()  # blocks whose every slot holds the drafter's KV of their tokens

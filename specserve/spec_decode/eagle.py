@@ -69,7 +69,7 @@ class EagleProposer:
         cfg = self.head.config
         self.needs = DrafterNeeds(
             target_states=TargetStates.ALL, aux_layers=tuple(self.head.aux_layer_ids),
-            kv=KVCacheSpec(1, cfg.num_key_value_heads, cfg.head_dim, self.head.dtype),
+            kv=KVCacheSpec(1, cfg.num_key_value_heads, cfg.head_dim, target.kv_dtype, self.head.dtype),
             num_lookahead_tokens=spec_config.num_speculative_tokens)
         self.deferred: dict[str, list[_Rows]] = {}  # per request, rows not written yet (no drafting since)
         self.trees = TreeChooser()

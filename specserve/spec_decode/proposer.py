@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
+from specserve.ops.kv_cache import row_bytes
 from specserve.spec_decode.policy import DraftOption
 
 if TYPE_CHECKING:
@@ -34,10 +35,11 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # the caches' storage (torch.int8: int8 rows with scales, ops/kv_cache.py)
+    compute_dtype: torch.dtype = torch.float32  # the queries' (the C kernel attends fp32 ones)
 
     def bytes_per_block(self, block_size: int) -> int:
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * block_size * self.num_kv_heads * row_bytes(self.head_dim, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,7 @@ class TargetInfo:
     # how the target multiplies GGUF blocks it keeps (EngineConfig.gguf_compute: "int8", "q8" or "fp32"); None when
     # its weights are tensors
     gguf_compute: str | None = None
+    kv_dtype: torch.dtype = torch.float32  # how the target's KV cache stores K/V; a drafter's own KV follows it
 
 
 def make_proposer(spec_config, target: TargetInfo) -> Proposer:

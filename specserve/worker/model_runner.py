@@ -14,6 +14,7 @@ from specserve.models.linear import int8_workloads
 from specserve.ops import int8_routes
 from specserve.ops.attention import copy_blocks, copy_slots, kv_caches, slot_ids
 from specserve.ops.kernels import kernel_usable
+from specserve.ops.kv_cache import kv_storage_dtype
 from specserve.sample.metadata import SamplingMetadata
 from specserve.sample.draft_tree import DraftTree
 from specserve.sample.rejection_sampler import RejectionSampler, verify_argmax_targets
@@ -45,7 +46,9 @@ class ModelRunner(DraftingMixin):
     from `kv_bytes_per_block` (target plus drafter) before `initialize_kv_cache`."""
 
     def __init__(self, model, block_size: int, eos_token_ids: set[int], max_model_len: int,
-                 spec_config=None, weight_dtype=None, gguf_compute: str | None = None) -> None:
+                 spec_config=None, weight_dtype=None, gguf_compute: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
+        """kv_cache_dtype: EngineConfig.kv_cache_dtype, how the target's KV cache (and a drafter's) stores K/V."""
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = set(eos_token_ids)
@@ -53,7 +56,8 @@ class ModelRunner(DraftingMixin):
         self.max_model_len = max_model_len
         self.uses_mrope = model.uses_mrope
         self.spec_config = spec_config
-        self.target_info = TargetInfo(model, model.dtype, weight_dtype, max_model_len, gguf_compute)
+        self.kv_dtype = kv_storage_dtype(kv_cache_dtype, model.dtype)  # the caches' torch dtype
+        self.target_info = TargetInfo(model, model.dtype, weight_dtype, max_model_len, gguf_compute, self.kv_dtype)
         self.proposer: Proposer | None = None
         self.num_speculative_tokens = 0
         self.draft_policy = DraftPolicy()
@@ -148,7 +152,7 @@ class ModelRunner(DraftingMixin):
 
     def _target_kv_bytes(self, num_layers: int) -> int:
         _, _, num_kv_heads, head_dim = self.model.kv_cache_shape(1, self.block_size)
-        return KVCacheSpec(num_layers, num_kv_heads, head_dim, self.model.dtype).bytes_per_block(self.block_size)
+        return KVCacheSpec(num_layers, num_kv_heads, head_dim, self.kv_dtype).bytes_per_block(self.block_size)
 
     @property
     def drafts_trees(self) -> bool:
@@ -167,10 +171,10 @@ class ModelRunner(DraftingMixin):
         if self.window_group_windows and num_window_blocks:
             shape = self.model.kv_cache_shape(num_blocks, self.block_size)
             window_shape = self.model.kv_cache_shape(num_window_blocks, self.block_size)
-            self.kv_caches = [kv_caches(window_shape if layer.window else shape, self.model.dtype, 1)[0]
+            self.kv_caches = [kv_caches(window_shape if layer.window else shape, self.kv_dtype, 1)[0]
                               for layer in self.model.layers]
         else:
-            self.kv_caches = kv_caches(self.model.kv_cache_shape(num_blocks, self.block_size), self.model.dtype,
+            self.kv_caches = kv_caches(self.model.kv_cache_shape(num_blocks, self.block_size), self.kv_dtype,
                                        self.model.num_layers)
         if self.proposer is not None and self.proposer.needs.kv is not None:
             self.drafter_kv = DrafterKVCache(self.proposer.needs.kv, num_blocks, self.block_size,

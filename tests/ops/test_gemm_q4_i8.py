@@ -108,7 +108,7 @@ def test_layout_round_trips():
         assert torch.equal(fused.packed, cat_rows(parts).for_int8_activations().packed)
 
 
-def test_only_decoder_layers_four_bit_blocks_change():
+def test_only_decoder_layers_blocks_change():
     rng = np.random.default_rng(4)
     q8 = QuantizedWeight.pack(rng.integers(-127, 128, size=(32, 64)).astype(np.int8),
                               np.ones((32, 2), np.float32), np.zeros((32, 2), np.float32), kernels.WEIGHT_Q8, 32, "Q8_0")
@@ -117,7 +117,8 @@ def test_only_decoder_layers_four_bit_blocks_change():
              "model.layers.0.mlp.down_proj.weight": q8, "model.norm.weight": torch.ones(64)}
     out = int8_activation_weights(state)
     assert out["model.layers.0.mlp.up_proj.weight"].weight_format == (Q4_I8, 32)
-    assert out["model.embed_tokens.weight"] is q4 and out["model.layers.0.mlp.down_proj.weight"] is q8
+    assert out["model.layers.0.mlp.down_proj.weight"].weight_format == (kernels.WEIGHT_Q8_I8, 32)
+    assert out["model.embed_tokens.weight"] is q4
     assert out["model.norm.weight"] is state["model.norm.weight"]
     assert set(out) == set(state) and len(out) == len(state)
     # repacked on each read, nothing kept: a builder that fuses layers never holds every layer's parts
@@ -215,14 +216,14 @@ def test_the_path_can_be_chosen_by_environment():
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
 def test_a_baseline_x86_build_holds_every_path(tmp_path):
-    """Built for the x86-64 baseline (no AVX), the int8 kernels (the GEMM and the greedy screen, with what they
+    """Built for the x86-64 baseline (no AVX), the int8 kernels (the GEMMs and the greedy screen, with what they
     call) still hold the AVX2, AVX512-VNNI and AMX paths (function-level target attributes), and each path the
     CPU runs gives the main library's bits."""
     cc = shutil.which("cc") or shutil.which("gcc")
     out = tmp_path / "baseline.so"
     flags = [f for f in kernels.FLAGS if f not in ("-march=native", "-shared")] + ["-march=x86-64"]
-    sources = [p for p in kernels.SOURCES if p.name in ("gemm.c", "gemm_gguf.c", "gemm_q4_i8.c", "greedy.c",
-                                                                  "layer_ops.c")]
+    sources = [p for p in kernels.SOURCES if p.name in ("gemm.c", "gemm_gguf.c", "gemm_q4_i8.c", "gemm_q8_i8.c",
+                                                         "greedy.c", "layer_ops.c")]
     compiles = [subprocess.Popen([cc, *flags, "-c", str(p), "-o", str(tmp_path / f"{p.stem}.o")],
                                  stderr=subprocess.PIPE) for p in sources]
     assert all(c.wait(timeout=300) == 0 for c in compiles), [c.stderr.read()[-500:] for c in compiles]
@@ -230,19 +231,26 @@ def test_a_baseline_x86_build_holds_every_path(tmp_path):
                    check=True, capture_output=True, timeout=300)
     lib = ctypes.CDLL(str(out))
     lib.gemm_q4_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    lib.gemm_q8_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
     lib.q4_i8_select.argtypes = lib.q4_i8_supported.argtypes = [ctypes.c_int64]
     runs = [name for i, name in enumerate(kernels.INT8_PATHS) if lib.q4_i8_supported(i)]
     assert runs == kernels.int8_paths()
     rng = np.random.default_rng(5)
     weight = random_q4(rng, 96, 192).for_int8_activations()
+    scales = np.full((96, 12), 1e-3, np.float32)
+    eight = QuantizedWeight.pack(rng.integers(-128, 128, (96, 192)).astype(np.int8), scales, -100 * scales,
+                                 kernels.WEIGHT_Q8, 16, "Q6_K").for_int8_activations()  # 8-bit, groups of 16
     x = torch.from_numpy(rng.standard_normal((7, 192)).astype(np.float32))
     want = kernels.gemm_weight(x, weight.packed, weight.weight_format, None, 96)
+    want_eight = kernels.gemm_weight(x, eight.packed, eight.weight_format, None, 96)
     for i, name in enumerate(kernels.INT8_PATHS):
         if name in runs:
             assert lib.q4_i8_select(i) == i
             y = torch.empty(7, 96)
             assert lib.gemm_q4_i8(x.data_ptr(), weight.packed.data_ptr(), None, y.data_ptr(), 7, 192, 96, 2) == 0
             assert torch.equal(y, want), name
+            assert lib.gemm_q8_i8(x.data_ptr(), eight.packed.data_ptr(), None, y.data_ptr(), 7, 192, 96, 16, 2) == 0
+            assert torch.equal(y, want_eight), name
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
@@ -252,6 +260,6 @@ def test_a_compiler_without_amx_builds_the_other_paths():
     cc = shutil.which("cc") or shutil.which("gcc")
     src = kernels.SOURCES[0].parent
     flags = [f for f in kernels.FLAGS if f not in ("-shared",)] + ["-DINT8_AMX_BUILT=0", "-fsyntax-only", f"-I{src}"]
-    for name in ("gemm_q4_i8.c", "greedy.c"):
+    for name in ("gemm_q4_i8.c", "gemm_q8_i8.c", "greedy.c"):
         out = subprocess.run([cc, *flags, str(src / name)], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]

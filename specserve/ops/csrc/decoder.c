@@ -51,8 +51,9 @@ typedef struct {
 typedef struct {
     linear_t qkv, o_proj, gate_up, down;
     const float *input_norm, *post_norm;
-    float *k_cache, *v_cache;
-    int64_t window; /* sliding attention window, 0 for none */
+    void *k_cache, *v_cache;
+    int64_t window;   /* sliding attention window, 0 for none */
+    int64_t kv_dtype; /* how the caches store K and V (kv_format.h) */
 } layer_t;
 
 static void linear(const linear_t *l, const float *x, float *y, int64_t rows, int64_t in, int64_t out) {
@@ -65,13 +66,14 @@ static void linear(const linear_t *l, const float *x, float *y, int64_t rows, in
 }
 
 /* Each write w stores fused qkv row slot_rows[w] (NULL: row w)'s key and value at cache slot slot_mapping[w]. */
-static void store_kv(float *k_cache, float *v_cache, const float *qkv, int64_t qkv_size, int64_t q_size,
-                     int64_t kv_size, const int64_t *slot_mapping, const int64_t *slot_rows, int64_t num_slots,
-                     int64_t block_size) {
+static void store_rows(void *k_cache, void *v_cache, int64_t kv_dtype, const float *qkv, int64_t qkv_size,
+                       int64_t q_size, int64_t num_kv_heads, int64_t head_dim, const int64_t *slot_mapping,
+                       const int64_t *slot_rows, int64_t num_slots, int64_t block_size) {
+    const int64_t kv_size = num_kv_heads * head_dim;
     for (int64_t w = 0; w < num_slots; w++) {
         const float *row = qkv + (slot_rows ? slot_rows[w] : w) * qkv_size;
-        store_key(k_cache, slot_mapping[w], row + q_size, kv_size, block_size);
-        memcpy(v_cache + slot_mapping[w] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
+        store_kv(k_cache, v_cache, kv_dtype, slot_mapping[w], row + q_size, row + q_size + kv_size, num_kv_heads,
+                 head_dim, block_size);
     }
 }
 
@@ -105,12 +107,12 @@ int decoder_forward_f32(const layer_t *layers, int64_t num_layers, float *x, flo
         t = profile_mark(PROFILE_PROJECTIONS, t);
         rope_qk_f32(qkv, cos, sin, N, qkv_size, num_heads + num_kv_heads, head_dim);
         for (int64_t r = 0; r < N; r++) memcpy(q + r * q_size, qkv + r * qkv_size, sizeof(float) * q_size);
-        store_kv(L->k_cache, L->v_cache, qkv, qkv_size, q_size, kv_size, slot_mapping, slot_rows, num_slots,
-                 block_size);
+        store_rows(L->k_cache, L->v_cache, L->kv_dtype, qkv, qkv_size, q_size, num_kv_heads, head_dim, slot_mapping,
+                   slot_rows, num_slots, block_size);
         t = profile_mark(PROFILE_OTHER, t);
         failed = paged_attention_f32(q, attn, L->k_cache, L->v_cache, block_table, table_width, query_start,
                                      query_len, context_len, num_seqs, num_heads, num_kv_heads, head_dim,
-                                     block_size, scale, L->window);
+                                     block_size, scale, L->window, L->kv_dtype);
         t = profile_mark(PROFILE_ATTENTION, t);
         linear(&L->o_proj, attn, mlp, N, q_size, hidden);
         t = profile_mark(PROFILE_PROJECTIONS, t);
@@ -178,8 +180,9 @@ typedef struct {
     const int32_t *screen_col_sum;
     const double *screen_w_l1;
     const int64_t *draft_ids; /* [Vd] target id of each draft id; NULL: the same */
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
     int64_t window, norm_before_residual;
+    int64_t kv_dtype; /* how the caches store K and V (kv_format.h) */
 } eagle3_t;
 
 /* One forward of the head's layer over n rows (Eagle3Head.forward): x = [input_norm(embed(ids)); hidden_norm(hidden)],
@@ -213,10 +216,11 @@ static int eagle3_layer(const eagle3_t *E, const float *hidden, const int64_t *i
     linear(&E->qkv, x, qkv, n, 2 * H, qkv_size);
     rope_qk_f32(qkv, cos, sin, n, qkv_size, num_heads + num_kv_heads, head_dim);
     for (int64_t j = 0; j < n; j++) memcpy(q + j * q_size, qkv + j * qkv_size, sizeof(float) * q_size);
-    store_kv(E->k_cache, E->v_cache, qkv, qkv_size, q_size, kv_size, slot_mapping, slot_rows, num_slots, block_size);
+    store_rows(E->k_cache, E->v_cache, E->kv_dtype, qkv, qkv_size, q_size, num_kv_heads, head_dim, slot_mapping,
+               slot_rows, num_slots, block_size);
     int failed = paged_attention_f32(q, attn, E->k_cache, E->v_cache, block_table, table_width, query_start,
                                      query_len, context_len, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                                     scale, E->window);
+                                     scale, E->window, E->kv_dtype);
     if (!failed) {
         linear(&E->o_proj, attn, res, n, q_size, H);
         for (int64_t i = 0; i < n * H; i++) res[i] += residual[i];

@@ -7,7 +7,9 @@
  * d * scale, b = -0, q - 32 in -32..31, G = 16). In each, a * q is exact in fp32 (at most 24 significant bits),
  * so a * q + b rounds once whether or not the compiler fuses it: w is exactly the load-time dequantizer's
  * value (and b = -0 keeps the sign of a zero product). The GEMM then takes the same k steps as
- * gemm_packed_f32 (gemm_common.h), so each output is the same FMA chain over the same fp32 values.
+ * gemm_packed_f32 (gemm_common.h), so each output is the same FMA chain over the same fp32 values. The
+ * int8-activation formats (WEIGHT_Q4_I8, WEIGHT_Q4_Q8: gemm_q4_i8.c; WEIGHT_Q8_I8, WEIGHT_Q8_Q8: gemm_q8_i8.c)
+ * hold the same values reordered, for GEMMs that quantize x.
  *
  * Packed layout (WEIGHT_Q4, WEIGHT_Q8): for each block of 32 output columns, K / G group records, each
  * a[32] and b[32] (fp32) then G rows of the 32 columns' q: 16 bytes (Q4: byte j holds column j in its low
@@ -23,8 +25,14 @@
 
 #define RECORD_HEADER (2 * BLOCK * (int64_t)sizeof(float)) /* a[32], b[32] */
 
+/* Whether `format` multiplies int8-quantized activations (gemm_q4_i8.c, gemm_q8_i8.c). */
+static inline int int8_activations(int64_t format) {
+    return format == WEIGHT_Q4_I8 || format == WEIGHT_Q4_Q8 || format == WEIGHT_Q8_I8 || format == WEIGHT_Q8_Q8;
+}
+
 static inline int64_t record_bytes(int64_t format, int64_t group) {
-    return RECORD_HEADER + group * (format == WEIGHT_Q8 ? 32 : 16);
+    const int eight = format == WEIGHT_Q8 || format == WEIGHT_Q8_I8 || format == WEIGHT_Q8_Q8;
+    return RECORD_HEADER + group * (eight ? 32 : 16);
 }
 
 /* The 32 weights of one k row of a Q4 record, w = q * a + b: the low nibbles are columns 0-15, the high ones
@@ -207,6 +215,8 @@ int gemm_weight(const float *x, const weight_t *w, const float *bias, float *y, 
             return 1;
         case WEIGHT_Q4_I8: return w->group == 32 ? gemm_q4_i8(x, w->data, bias, y, M, K, N, 2) : 1;
         case WEIGHT_Q4_Q8: return w->group == 32 ? gemm_q4_i8(x, w->data, bias, y, M, K, N, 1) : 1;
+        case WEIGHT_Q8_I8: return gemm_q8_i8(x, w->data, bias, y, M, K, N, w->group, 2);
+        case WEIGHT_Q8_Q8: return gemm_q8_i8(x, w->data, bias, y, M, K, N, w->group, 1);
         default: return 1;
     }
 }
@@ -221,8 +231,7 @@ int gemm_weight_f32(const float *x, const void *data, int64_t format, int64_t gr
 /* Output column n of gemm_weight (no bias) for one row, computed exactly as the GEMM computes it: the same
  * dequantization and fused multiply-adds over the vector of the block holding n, lane n % VLEN kept. */
 float weight_column(const float *x, const weight_t *w, int64_t K, int64_t n) {
-    if (w->format == WEIGHT_Q4_I8 || w->format == WEIGHT_Q4_Q8)
-        return NAN; /* its GEMM quantizes x: no fp32 column to reproduce */
+    if (int8_activations(w->format)) return NAN; /* its GEMM quantizes x: no fp32 column to reproduce */
     const int64_t b = n / BLOCK, j = (n % BLOCK) / VLEN;
     vf acc = {0};
     if (w->format == WEIGHT_F32 || w->format == WEIGHT_F16) {
@@ -255,6 +264,22 @@ float weight_column(const float *x, const weight_t *w, int64_t K, int64_t n) {
     return acc[n % VLEN];
 }
 
+/* The q of column j at k = kk of a group's q bytes in `format`. The int8-activation formats keep the bytes of
+ * each 4 k's grouped per column (gemm_q4_i8.c, gemm_q8_i8.c): Q4_I8 and Q4_Q8 the same nibbles, Q8_I8 and Q8_Q8
+ * each q as q + 128. */
+static inline float stored_q(int64_t format, const uint8_t *q, int64_t kk, int64_t j) {
+    switch (format) {
+        case WEIGHT_Q8: return (float)(int8_t)q[kk * 32 + j];
+        case WEIGHT_Q8_I8:
+        case WEIGHT_Q8_Q8: return (float)((int)q[(kk >> 2) * 128 + 4 * j + (kk & 3)] - 128);
+        case WEIGHT_Q4: return (float)(j < 16 ? q[kk * 16 + j] & 15 : q[kk * 16 + j - 16] >> 4);
+        default: {
+            const uint8_t byte = q[(kk >> 2) * 64 + 4 * (j & 15) + (kk & 3)];
+            return (float)(j < 16 ? byte & 15 : byte >> 4);
+        }
+    }
+}
+
 /* out [count, K]: rows ids[i] of the dequantized weight W [N, K] (an embedding lookup, or the whole weight
  * with ids = 0..N-1), exactly the values the GEMM multiplies by. */
 void weight_rows(const weight_t *w, int64_t K, const int64_t *ids, int64_t count, float *out) {
@@ -277,14 +302,8 @@ void weight_rows(const weight_t *w, int64_t K, const int64_t *ids, int64_t count
             float a, s;
             memcpy(&a, rec + 4 * j, sizeof a);
             memcpy(&s, rec + 128 + 4 * j, sizeof s);
-            for (int64_t kk = 0; kk < G; kk++) {
-                /* Q4_I8 and Q4_Q8 keep the same nibbles, the bytes of each 4 k's grouped per column (gemm_q4_i8.c) */
-                const int quads = w->format == WEIGHT_Q4_I8 || w->format == WEIGHT_Q4_Q8;
-                const int64_t at = quads ? (kk >> 2) * 64 + 4 * (j & 15) + (kk & 3) : kk * 16 + (j & 15);
-                const float v = w->format == WEIGHT_Q8 ? (float)(int8_t)q[kk * 32 + j]
-                                                       : (float)(j < 16 ? q[at] & 15 : q[at] >> 4);
-                row[g * G + kk] = v * a + s; /* a * v is exact: one rounding, fused or not */
-            }
+            /* a * q is exact: one rounding, fused or not */
+            for (int64_t kk = 0; kk < G; kk++) row[g * G + kk] = stored_q(w->format, q, kk, j) * a + s;
         }
     }
 }

@@ -45,6 +45,7 @@
 #endif
 
 #include "gemm_common.h"
+#include "int8_simd.h"
 #include "specserve_kernels.h"
 
 #define QGROUP 32
@@ -61,10 +62,6 @@
  * records ahead) leaves the loads waiting on memory, ~3.4 ms for a 2-row call on a 75 MB weight against
  * 2.0-3.0 ms with these. */
 #define I8_PREFETCH 8
-#define ALWAYS_INLINE __attribute__((always_inline))
-
-typedef int32_t i32v __attribute__((vector_size(64)));
-typedef uint8_t u8v __attribute__((vector_size(64)));
 
 /* ---- the portable path: plain C (vectorized as the build's flags allow) ---- */
 
@@ -75,12 +72,6 @@ static inline ALWAYS_INLINE i32v dot4_portable(i32v acc, u8v u, int32_t s4) {
     for (int j = 0; j < 16; j++)
         acc[j] += u[4 * j] * s[0] + u[4 * j + 1] * s[1] + u[4 * j + 2] * s[2] + u[4 * j + 3] * s[3];
     return acc;
-}
-
-/* a * b + c rounded once, lane by lane (what vfmadd does) */
-static inline ALWAYS_INLINE v16 fmadd_portable(v16 a, v16 b, v16 c) {
-    for (int j = 0; j < 16; j++) c[j] = fmaf(a[j], b[j], c[j]);
-    return c;
 }
 
 /* One group of 32 values -> hi[32], lo[32] (x ~ d * (hi + lo / 256), d = max|x| / 127; lo = 0 with one
@@ -118,12 +109,6 @@ static inline ALWAYS_INLINE int32_t quantize_group_portable(const float *v, int8
 
 #if defined(Q4_X86)
 /* ---- AVX2 (+ FMA) ---- */
-#define TARGET_AVX2 __attribute__((target("avx2,fma")))
-
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef uint8_t u8x32 __attribute__((vector_size(32)));
-
 /* u <= 15, |s| <= 127: each pair sum of vpmaddubsw fits int16 (no saturation), so this equals vpdpbusd */
 TARGET_AVX2 static inline ALWAYS_INLINE i32x8 dot4_avx2(i32x8 acc, u8x32 u, int32_t s4) {
     __m256i uu;
@@ -132,16 +117,6 @@ TARGET_AVX2 static inline ALWAYS_INLINE i32x8 dot4_avx2(i32x8 acc, u8x32 u, int3
     i32x8 r;
     memcpy(&r, &p, sizeof r);
     return acc + r;
-}
-
-TARGET_AVX2 static inline ALWAYS_INLINE f32x8 fmadd_avx2(f32x8 a, f32x8 b, f32x8 c) {
-    __m256 x, y, z;
-    memcpy(&x, &a, sizeof x);
-    memcpy(&y, &b, sizeof y);
-    memcpy(&z, &c, sizeof z);
-    z = _mm256_fmadd_ps(x, y, z);
-    memcpy(&c, &z, sizeof c);
-    return c;
 }
 
 /* quantize_group_portable's numbers, 8 lanes at a time (vcvtps2dq rounds to nearest even, as nearbyintf) */
@@ -188,8 +163,6 @@ TARGET_AVX2 static inline ALWAYS_INLINE int32_t quantize_group_avx2(const float 
 #include "gemm_q4_i8_path.h"
 
 /* ---- AVX512-VNNI ---- */
-#define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
-
 TARGET_VNNI static inline ALWAYS_INLINE i32v dot4_vnni(i32v acc, u8v u, int32_t s4) {
     __m512i a, uu;
     memcpy(&a, &acc, sizeof a);
@@ -197,16 +170,6 @@ TARGET_VNNI static inline ALWAYS_INLINE i32v dot4_vnni(i32v acc, u8v u, int32_t 
     a = _mm512_dpbusd_epi32(a, uu, _mm512_set1_epi32(s4));
     memcpy(&acc, &a, sizeof acc);
     return acc;
-}
-
-TARGET_VNNI static inline ALWAYS_INLINE v16 fmadd_vnni(v16 a, v16 b, v16 c) {
-    __m512 x, y, z;
-    memcpy(&x, &a, sizeof x);
-    memcpy(&y, &b, sizeof y);
-    memcpy(&z, &c, sizeof z);
-    z = _mm512_fmadd_ps(x, y, z);
-    memcpy(&c, &z, sizeof c);
-    return c;
 }
 
 TARGET_VNNI static inline ALWAYS_INLINE int32_t quantize_group_vnni(const float *v, int8_t *hi, int8_t *lo,
@@ -384,6 +347,10 @@ static signed char routes[INT8_KERNELS][INT8_ROUTE_ROWS];
 static int routes_ready;
 static int64_t route_calls[INT8_KERNELS][INT8_PATHS];
 
+/* Whether `kernel` has an AMX version: the Q8-layout GEMM (gemm_q8_i8.c) has none, so its routes never name
+ * AMX (a forced AMX path gives it the VNNI one, the AMX path's vector twin). */
+static int has_amx(int64_t kernel) { return kernel != INT8_GEMM_Q8; }
+
 /* The fastest vector path this CPU runs: what every row count takes until measured routes are set. AMX is
  * not among them: its tiles pay only from some row count on, which only a measurement finds. */
 static int vector_default(void) {
@@ -398,16 +365,22 @@ int q4_i8_select(int64_t path) {
     if (path < 0) path = vector_default();
     else if (path >= INT8_PATHS || !q4_i8_supported(path)) return -1;
     memset(routes, (int)path, sizeof routes);
+    for (int kernel = 0; kernel < INT8_KERNELS; kernel++)
+        if (!has_amx(kernel) && (path == INT8_AMX || path == INT8_AMX_EMULATED))
+            memset(routes[kernel], INT8_VNNI, sizeof routes[kernel]);
     routes_ready = 1;
     return (int)path;
 }
 
 /* Route `kernel`'s calls of r rows (1 <= r <= n) to paths[r - 1] and larger ones to paths[n - 1]. Returns 0,
- * or -1 (and nothing changes) for an unknown kernel, n outside 1..INT8_ROUTE_ROWS or a path the CPU cannot run. */
+ * or -1 (and nothing changes) for an unknown kernel, n outside 1..INT8_ROUTE_ROWS, a path the CPU cannot run
+ * or an AMX path for a kernel without one. */
 int int8_route_set(int64_t kernel, const int64_t *paths, int64_t n) {
     if (kernel < 0 || kernel >= INT8_KERNELS || n < 1 || n > INT8_ROUTE_ROWS) return -1;
-    for (int64_t r = 0; r < n; r++)
+    for (int64_t r = 0; r < n; r++) {
         if (paths[r] < 0 || paths[r] >= INT8_PATHS || !q4_i8_supported(paths[r])) return -1;
+        if (!has_amx(kernel) && (paths[r] == INT8_AMX || paths[r] == INT8_AMX_EMULATED)) return -1;
+    }
     if (!routes_ready) q4_i8_select(-1);
     for (int64_t r = 0; r < INT8_ROUTE_ROWS; r++) routes[kernel][r] = (signed char)paths[r < n ? r : n - 1];
     return 0;
@@ -445,6 +418,12 @@ static void quantize_rows(int path, const float *x, int64_t M, int64_t K, int8_t
     if (path == INT8_AVX2) return quantize_rows_avx2(x, M, K, q, unit, usum, digits);
 #endif
     quantize_rows_portable(x, M, K, q, unit, usum, digits);
+}
+
+/* quantize_rows for the other int8 GEMMs (gemm_q8_i8.c), whose every path takes the same digits. */
+void int8_quantize_rows(int64_t path, const float *x, int64_t M, int64_t K, int8_t *q, float *unit, float *usum,
+                        int64_t digits) {
+    quantize_rows((int)path, x, M, K, q, unit, usum, (int)digits);
 }
 
 /* x: [M, K] fp32 (K a multiple of 32); packed: WEIGHT_Q4_I8 records; bias: [N] or NULL; y: [M, N]; digits: 2

@@ -1,15 +1,19 @@
-/* Writes a token's key into a paged key cache. Values are stored token by token, [num_blocks,
- * block_size, num_kv_heads * head_dim]; keys transposed within each block, [num_blocks, num_kv_heads *
- * head_dim, block_size] (paged_attention.c reads a block's keys dimension by dimension). */
+/* Writes a token's keys and values into a paged KV cache in its storage format (kv_format.h). Values are
+ * stored token by token, [num_blocks, block_size, num_kv_heads, row]; keys transposed within each block,
+ * [num_blocks, num_kv_heads, row, block_size] (paged_attention.c reads a block's keys dimension by
+ * dimension); row = head_dim, or head_dim + 4 scale bytes for int8. */
 #include <stdint.h>
 
-/* Where slot `slot`'s first key float lies; its i-th is block_size floats further for each i. */
-static inline int64_t key_offset(int64_t slot, int64_t row_floats, int64_t block_size) {
-    return slot / block_size * row_floats * block_size + slot % block_size;
-}
+#include "kv_format.h"
 
-/* Slot `slot`'s key (row_floats floats: num_kv_heads * head_dim) into a key cache. */
-void store_key(float *k_cache, int64_t slot, const float *key, int64_t row_floats, int64_t block_size) {
-    float *dst = k_cache + key_offset(slot, row_floats, block_size);
-    for (int64_t i = 0; i < row_floats; i++) dst[i * block_size] = key[i];
+/* Slot `slot`'s key and value (num_kv_heads * head_dim floats each) into the caches, stored as kv_dtype. */
+void store_kv(void *k_cache, void *v_cache, int64_t kv_dtype, int64_t slot, const float *key, const float *value,
+              int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
+    const int64_t row = kv_row_elems(head_dim, kv_dtype), esz = kv_elem_bytes(kv_dtype);
+    char *kb = (char *)k_cache + (slot / block_size * num_kv_heads * row * block_size + slot % block_size) * esz;
+    char *vt = (char *)v_cache + slot * num_kv_heads * row * esz;
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        kv_encode_row(kb + h * row * block_size * esz, key + h * head_dim, head_dim, block_size, kv_dtype);
+        kv_encode_row(vt + h * row * esz, value + h * head_dim, head_dim, 1, kv_dtype);
+    }
 }

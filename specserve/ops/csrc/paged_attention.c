@@ -11,12 +11,13 @@
  * whatever else is in the batch, however long its query and however many threads run (the vector path
  * takes every row's keys in the same fixed chunks, see below; the scalar path has one thread per row).
  *
- * Layouts (fp32, contiguous):
+ * Layouts (contiguous; q and out fp32, the caches stored as kv_dtype: fp32, bf16 or int8, kv_format.h):
  *   q            [num_tokens, num_heads, head_dim]
  *   out          [num_tokens, num_heads * head_dim]   (rows of the listed requests are written)
- *   k cache      [num_blocks, num_kv_heads, head_dim, block_size]: each block's keys transposed, so the
+ *   k cache      [num_blocks, num_kv_heads, row, block_size]: each block's keys transposed, so the
  *                16 keys of a block are one vector per dimension (see partial_tile_vec, pass 1)
- *   v cache      [num_blocks, block_size, num_kv_heads, head_dim]
+ *   v cache      [num_blocks, block_size, num_kv_heads, row]
+ *                (row = head_dim, or head_dim + 4 for int8: the numbers, then their scale's bytes)
  *   block_table  [num_seqs, table_width] int64
  *   query_start, query_len, context_len  [num_seqs] int64
  * Query j of request s sits at absolute position p = context_len - query_len + j and attends to keys
@@ -29,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_format.h"
 #include "specserve_math.h"
 
 /* Without AVX-512 each 64-byte vector below is a pair of 32-byte halves, and GCC 12's RTL global CSE passes
@@ -46,17 +48,38 @@ static inline int64_t window_start(int64_t pos, int64_t window) {
     return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
 }
 
-static void attend_one(const float *q, float *out, const float *k_cache, const float *v_cache,
+/* Block `block`'s keys ([head_dim][block_size]) and values (block_size rows of head_dim, vstride floats apart)
+ * of kv head kvh as floats: in the cache itself for fp32, else decoded into kbuf and vbuf. */
+static void block_floats(const void *k_cache, const void *v_cache, int64_t kv, int64_t block, int64_t kvh,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float *kbuf, float *vbuf,
+                         const float **kb, const float **vb, int64_t *vstride) {
+    const int64_t row = kv_row_elems(head_dim, kv), esz = kv_elem_bytes(kv);
+    const int64_t token_stride = num_kv_heads * row, block_stride = block_size * token_stride;
+    const char *kp = (const char *)k_cache + (block * block_stride + kvh * row * block_size) * esz;
+    const char *vp = (const char *)v_cache + (block * block_stride + kvh * row) * esz;
+    if (kv == KV_F32) {
+        *kb = (const float *)kp, *vb = (const float *)vp, *vstride = token_stride;
+        return;
+    }
+    for (int64_t t = 0; t < block_size; t++) {
+        const float s = kv == KV_I8 ? kv_scale((const int8_t *)kp + t + head_dim * block_size, block_size) : 1.0f;
+        for (int64_t d = 0; d < head_dim; d++) kbuf[d * block_size + t] = kv_load(kp + t * esz, d, block_size, kv) * s;
+        kv_decode_row(vbuf + t * head_dim, vp + t * token_stride * esz, head_dim, 1, kv);
+    }
+    *kb = kbuf, *vb = vbuf, *vstride = head_dim;
+}
+
+/* work: rows * (head_dim + 2) floats, then for a cache not in fp32 2 * head_dim * block_size more. */
+static void attend_one(const float *q, float *out, const void *k_cache, const void *v_cache, int64_t kv,
                        const int64_t *table, int64_t q_start, int64_t q_len, int64_t c_len,
                        int64_t kvh, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, float scale, int64_t window, float *work) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t rows = group * q_len;
-    const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t block_stride = block_size * token_stride;
     const int64_t first_pos = c_len - q_len;
-    /* work: acc[rows][head_dim], m[rows], l[rows] */
+    /* work: acc[rows][head_dim], m[rows], l[rows], then the decoded block */
     float *acc = work, *m = work + rows * head_dim, *l = m + rows;
+    float *kbuf = l + rows, *vbuf = kbuf + head_dim * block_size;
     float scores[block_size];
     for (int64_t r = 0; r < rows; r++) {
         m[r] = -INFINITY;
@@ -65,8 +88,10 @@ static void attend_one(const float *q, float *out, const float *k_cache, const f
     memset(acc, 0, sizeof(float) * rows * head_dim);
     const int64_t num_blocks = (c_len + block_size - 1) / block_size;
     for (int64_t b = window_start(first_pos, window) / block_size; b < num_blocks; b++) {
-        const float *kb = k_cache + table[b] * block_stride + kvh * head_dim * block_size; /* [head_dim][block_size] */
-        const float *vb = v_cache + table[b] * block_stride + kvh * head_dim;
+        const float *kb, *vb; /* [head_dim][block_size], [block_size][token_stride] */
+        int64_t token_stride;
+        block_floats(k_cache, v_cache, kv, table[b], kvh, num_kv_heads, head_dim, block_size, kbuf, vbuf, &kb, &vb,
+                     &token_stride);
         const int64_t base = b * block_size;
         for (int64_t r = 0; r < rows; r++) {
             const int64_t g = r / q_len, j = r % q_len;
@@ -133,6 +158,40 @@ static inline vf load_vf(const float *p) {
     return v;
 }
 
+typedef uint16_t vbf16 __attribute__((vector_size(32)));
+typedef int8_t vi8 __attribute__((vector_size(16)));
+typedef unsigned char vbytes __attribute__((vector_size(64)));
+
+/* 16 consecutive stored elements (kv_format.h) as floats (int8: without the row's scale). */
+static inline vf load_kv(const char *p, const int KV) {
+    if (KV == KV_BF16) {
+        vbf16 h;
+        memcpy(&h, p, sizeof h);
+        return (vf)(__builtin_convertvector(h, vi) << 16);
+    }
+    if (KV == KV_I8) {
+        vi8 c;
+        memcpy(&c, p, sizeof c);
+        return __builtin_convertvector(c, vf);
+    }
+    return load_vf((const float *)p);
+}
+
+/* An int8 key block's 16 scales, from the 64 bytes after its rows: byte j of slot t's scale is p[16 * j + t]. */
+static inline vf key_scales(const char *p) {
+    vbytes b;
+    memcpy(&b, p, sizeof b);
+    const vbytes order = {0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59, 12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+    return (vf)__builtin_shuffle(b, order);
+}
+
+/* An int8 value block's 16 scales: slot t's at p + t * token_bytes. */
+static inline vf value_scales(const char *p, int64_t token_bytes) {
+    float s[16];
+    for (int t = 0; t < 16; t++) memcpy(s + t, p + t * token_bytes, sizeof(float));
+    return load_vf(s);
+}
+
 static inline vf vmax(vf a, vf b) {
     const vi gt = a > b;
     return (vf)((gt & (vi)a) | (~gt & (vi)b));
@@ -181,22 +240,22 @@ static inline vf exp_vf(vf x) {
 #define CHUNK_BLOCKS 8
 
 /* Start loading a cache line into L1 (to_l1) or L2 (__builtin_prefetch's locality must be a constant). */
-static inline void prefetch_line(const float *p, int to_l1) {
+static inline void prefetch_line(const void *p, int to_l1) {
     if (to_l1)
         __builtin_prefetch(p, 0, 3);
     else
         __builtin_prefetch(p, 0, 2);
 }
 
-/* Start loading floats [h0, h1) of each of a value block's 16 tokens (its kv heads in use). */
-static inline void prefetch_values(const float *block, int64_t token_stride, int64_t h0, int64_t h1, int to_l1) {
+/* Start loading bytes [h0, h1) of each of a value block's 16 tokens (its kv heads in use). */
+static inline void prefetch_values(const char *block, int64_t token_bytes, int64_t h0, int64_t h1, int to_l1) {
     for (int t = 0; t < 16; t++)
-        for (int64_t c = h0; c < h1; c += 16) prefetch_line(block + t * token_stride + c, to_l1);
+        for (int64_t c = h0; c < h1; c += 64) prefetch_line(block + t * token_bytes + c, to_l1);
 }
 
-/* The same for a key block, whose kv heads h0 / dim .. h1 / dim are contiguous ([kv head][dim][16 keys]). */
-static inline void prefetch_keys(const float *block, int64_t h0, int64_t h1, int to_l1) {
-    for (int64_t c = 16 * h0; c < 16 * h1; c += 16) prefetch_line(block + c, to_l1);
+/* The same for a key block, whose kv heads' rows are contiguous ([kv head][row][16 keys]: 16 times the bytes). */
+static inline void prefetch_keys(const char *block, int64_t h0, int64_t h1, int to_l1) {
+    for (int64_t c = 16 * h0; c < 16 * h1; c += 64) prefetch_line(block + c, to_l1);
 }
 
 #define CHUNK_KEYS (16 * CHUNK_BLOCKS)
@@ -221,10 +280,11 @@ static inline void prefetch_keys(const float *block, int64_t h0, int64_t h1, int
     }
 
 /* Scores of `rows` rows for one block's 16 keys (stored [dim][16]): out[r * CHUNK_KEYS + t] =
- * sum_d qs[r * dim + d] * kb[d * 16 + t], summed in four chains (d mod 4) then (c0 + c1) + (c2 + c3). */
-static inline __attribute__((always_inline)) void qk_rows(const float *kb, const float *qs, float *out,
-                                                          const int rows, const int NC) {
-    const int dim = 16 * NC;
+ * sum_d qs[r * dim + d] * kb[d * 16 + t], summed in four chains (d mod 4) then (c0 + c1) + (c2 + c3); for int8
+ * keys, times their scales ks. */
+static inline __attribute__((always_inline)) void qk_rows(const char *kb, const float *qs, float *out,
+                                                          const int rows, const vf ks, const int NC, const int KV) {
+    const int dim = 16 * NC, esz = KV == KV_F32 ? 4 : KV == KV_BF16 ? 2 : 1;
     vf a[GROUP_ROWS][4];
 #pragma GCC unroll 8
     for (int r = 0; r < rows; r++)
@@ -234,33 +294,36 @@ static inline __attribute__((always_inline)) void qk_rows(const float *kb, const
     for (int d = 0; d < dim; d += 4) {
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
-            const vf kv = load_vf(kb + (d + j) * 16);
+            const vf kv = load_kv(kb + (d + j) * 16 * esz, KV);
 #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) a[r][j] += qs[r * dim + d + j] * kv;
         }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < rows; r++) {
-        const vf s = (a[r][0] + a[r][1]) + (a[r][2] + a[r][3]);
+        vf s = (a[r][0] + a[r][1]) + (a[r][2] + a[r][3]);
+        if (KV == KV_I8) s *= ks;
         memcpy(out + r * CHUNK_KEYS, &s, sizeof s);
     }
 }
 
 /* acc[row] += sum over keys t in [t0, t1) of p[row][t] * v[t], t in order, one FMA per 16 floats per key:
- * rows at acc + row * acc_stride with their probabilities at p + row * CHUNK_KEYS. */
-static inline __attribute__((always_inline)) void pv_rows(const float *vb, int64_t token_stride, const float *p,
+ * rows at acc + row * acc_stride with their probabilities at p + row * CHUNK_KEYS; value t at
+ * vb + t * token_bytes. */
+static inline __attribute__((always_inline)) void pv_rows(const char *vb, int64_t token_bytes, const float *p,
                                                           float *acc, int64_t acc_stride, const int rows, int64_t t0,
-                                                          int64_t t1, const int NC) {
+                                                          int64_t t1, const int NC, const int KV) {
+    const int esz = KV == KV_F32 ? 4 : KV == KV_BF16 ? 2 : 1;
     vf a[GROUP_ROWS * 16];
 #pragma GCC unroll 8
     for (int r = 0; r < rows; r++)
 #pragma GCC unroll 16
         for (int c = 0; c < NC; c++) a[r * NC + c] = load_vf(acc + r * acc_stride + 16 * c);
     for (int64_t t = t0; t < t1; t++) {
-        const float *vt = vb + t * token_stride;
+        const char *vt = vb + t * token_bytes;
         vf v[16];
 #pragma GCC unroll 16
-        for (int c = 0; c < NC; c++) v[c] = load_vf(vt + 16 * c);
+        for (int c = 0; c < NC; c++) v[c] = load_kv(vt + 16 * c * esz, KV);
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const float pr = p[r * CHUNK_KEYS + t];
@@ -281,13 +344,17 @@ static inline __attribute__((always_inline)) void pv_rows(const float *vb, int64
  * L1 for the other rows, and the rows' dependency chains (dot products, max, exp, sums) are independent
  * of each other and overlap in the core: 1. every row's scores for every key, 2. per row the max over
  * the chunk, exp and the sum, 3. the probability-weighted values. A row that sees none of these keys is
- * left with l = 0. */
+ * left with l = 0. Caches stored as KV (kv_format.h): bf16 and int8 numbers become floats in registers, an
+ * int8 key's scale multiplies its scores and an int8 value's scale its probabilities (after their sum l). */
 static inline __attribute__((always_inline)) void partial_tile_vec(
-        const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t q_start,
+        const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t q_start,
         int64_t q_len, int64_t c_len, int64_t r0, int64_t r1, int64_t b0, int64_t b1,
-        int64_t num_heads, int64_t num_kv_heads, float scale, int64_t window, float *st, float *sc, const int NC) {
+        int64_t num_heads, int64_t num_kv_heads, float scale, int64_t window, float *st, float *sc, const int NC,
+        const int KV) {
     const int64_t dim = 16 * NC, stride = dim + 2, group = num_heads / num_kv_heads;
-    const int64_t token_stride = num_kv_heads * dim, block_stride = 16 * token_stride;
+    const int64_t row_bytes = kv_row_elems(dim, KV) * kv_elem_bytes(KV);
+    const int64_t token_bytes = num_kv_heads * row_bytes, block_bytes = 16 * token_bytes;
+    const char *k_bytes = k_cache, *v_bytes = v_cache;
     const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const vf neg_inf = (vf){0} - INFINITY;
     if (b1 > (c_len + 15) / 16) b1 = (c_len + 15) / 16;
@@ -306,17 +373,18 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
         }
         return;
     }
-    const int64_t h0 = r0 / q_len / group * dim, h1 = ((r1 - 1) / q_len / group + 1) * dim; /* kv heads' floats */
+    /* the kv heads' bytes within a token */
+    const int64_t h0 = r0 / q_len / group * row_bytes, h1 = ((r1 - 1) / q_len / group + 1) * row_bytes;
     /* The whole chunk's keys and values of these kv heads into L2 first, rather than only one block ahead:
      * once requests have come and gone a request's blocks lie scattered over the pool, and reading scattered
      * blocks one at a time is 30-50% slower than reading consecutive ones. Prefetching the chunk takes
      * 15-20% off the kernel's time at 1-9 query rows with scattered blocks, ~5% with consecutive ones
      * (2 threads, 1000-token context, 30 layers of caches). */
     for (int64_t b = b0; b < b1; b++) {
-        prefetch_keys(k_cache + table[b] * block_stride, h0, h1, 0);
-        prefetch_values(v_cache + table[b] * block_stride, token_stride, h0, h1, 0);
+        prefetch_keys(k_bytes + table[b] * block_bytes, h0, h1, 0);
+        prefetch_values(v_bytes + table[b] * block_bytes, token_bytes, h0, h1, 0);
     }
-    /* Per row, once: the keys it sees, its query, its kv head's offset within a token (no integer
+    /* Per row, once: the keys it sees, its query, its kv head's byte offset within a token (no integer
      * divisions in the block loops: 3-4% of the kernel's time) */
     int64_t lim[TILE_ROWS], low[TILE_ROWS], qoff[TILE_ROWS], hoff[TILE_ROWS];
     for (int64_t r = r0; r < r1; r++) {
@@ -324,7 +392,7 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
         lim[r - r0] = c_len - q_len + j + 1;
         low[r - r0] = window_start(c_len - q_len + j, window);
         qoff[r - r0] = ((q_start + j) * num_heads + h) * dim;
-        hoff[r - r0] = h / group * dim;
+        hoff[r - r0] = h / group * row_bytes;
     }
     /* 1. scores: sc[(r - r0) * CHUNK_KEYS + (b - b0) * 16 + t], -inf past the row's position: a row's 16
      * scores are sum_d q[d] * (the block's keys' dimension d), for groups of rows sharing each key vector's
@@ -334,13 +402,14 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
         for (int64_t d = 0; d < dim; d++) qs[(r - r0) * dim + d] = q[qoff[r - r0] + d] * scale;
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = b * 16;
-        if (b + 1 < b1) prefetch_keys(k_cache + table[b + 1] * block_stride, h0, h1, 1);
-        const float *kb = k_cache + table[b] * block_stride + 16 * hoff[0];
+        if (b + 1 < b1) prefetch_keys(k_bytes + table[b + 1] * block_bytes, h0, h1, 1);
+        const char *kb = k_bytes + table[b] * block_bytes + 16 * hoff[0];
+        const vf ks = KV == KV_I8 ? key_scales(kb + 16 * dim) : (vf){0};
         for (int64_t g0 = r0; g0 < r1; g0 += GROUP_ROWS) {
             const int64_t g1 = g0 + GROUP_ROWS < r1 ? g0 + GROUP_ROWS : r1;
             float *sg = sc + (g0 - r0) * CHUNK_KEYS + (b - b0) * 16;
             const float *qg = qs + (g0 - r0) * dim;
-#define QK_ROWS(rows) qk_rows(kb, qg, sg, rows, NC)
+#define QK_ROWS(rows) qk_rows(kb, qg, sg, rows, ks, NC, KV)
             FOR_GROUP_SIZE(g1 - g0, QK_ROWS);
 #undef QK_ROWS
             for (int64_t r = g0; r < g1; r++) {
@@ -382,11 +451,19 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
     const int group_rows = PV_GROUP_ROWS(NC);
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = b * 16;
-        if (b + 1 < b1) prefetch_values(v_cache + table[b + 1] * block_stride, token_stride, h0, h1, 1);
+        if (b + 1 < b1) prefetch_values(v_bytes + table[b + 1] * block_bytes, token_bytes, h0, h1, 1);
         const float *ps = sc + (b - b0) * 16;
+        if (KV == KV_I8) {
+            const vf vs = value_scales(v_bytes + table[b] * block_bytes + hoff[0] + dim, token_bytes);
+            for (int64_t r = r0; r < r1; r++) {
+                float *pr = sc + (r - r0) * CHUNK_KEYS + (b - b0) * 16;
+                const vf p = load_vf(pr) * vs;
+                memcpy(pr, &p, sizeof p);
+            }
+        }
         for (int64_t g0 = r0; g0 < r1; g0 += group_rows) {
             const int64_t g1 = g0 + group_rows < r1 ? g0 + group_rows : r1;
-            const float *vb = v_cache + table[b] * block_stride + hoff[g0 - r0];
+            const char *vb = v_bytes + table[b] * block_bytes + hoff[g0 - r0];
             int64_t common = 16;
             for (int64_t r = g0; r < g1; r++) {
                 const int64_t n = lim[r - r0] - base;
@@ -396,45 +473,69 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
             float *ag = st + (g0 - r0) * stride;
             const float *pg = ps + (g0 - r0) * CHUNK_KEYS;
 #define PV_ROWS(rows) \
-    if ((rows) <= PV_GROUP_ROWS(NC)) pv_rows(vb, token_stride, pg, ag, stride, rows, 0, common, NC)
+    if ((rows) <= PV_GROUP_ROWS(NC)) pv_rows(vb, token_bytes, pg, ag, stride, rows, 0, common, NC, KV)
             FOR_GROUP_SIZE(g1 - g0, PV_ROWS);
 #undef PV_ROWS
             for (int64_t r = g0; r < g1; r++) {
                 int64_t n = lim[r - r0] - base;
                 n = n < 16 ? n : 16;
                 if (n > common)
-                    pv_rows(vb, token_stride, ps + (r - r0) * CHUNK_KEYS, st + (r - r0) * stride, stride, 1, common,
-                            n, NC);
+                    pv_rows(vb, token_bytes, ps + (r - r0) * CHUNK_KEYS, st + (r - r0) * stride, stride, 1, common,
+                            n, NC, KV);
             }
         }
     }
 }
 
-#define PARTIAL_VEC(NC_)                                                                                  \
+#define PARTIAL_VEC(NC_, KV_)                                                                                \
     partial_tile_vec(q, k_cache, v_cache, table, q_start, q_len, c_len, t0, t1, b0, b1, num_heads,        \
-                     num_kv_heads, scale, window, st + (t0 - r0) * (head_dim + 2), scores, NC_)
+                     num_kv_heads, scale, window, st + (t0 - r0) * (head_dim + 2), scores, NC_, KV_)
 
 /* partial_tile_vec over rows r0..r1-1 in tiles. One compiled copy (noinline) serves both ways of running
  * the chunks, so they agree to the bit. */
-static __attribute__((noinline)) void partial_rows(const float *q, const float *k_cache, const float *v_cache,
-                                                   const int64_t *table, int64_t q_start, int64_t q_len,
+/* Each head_dim of the vector path for fp32 caches; bf16 and int8 ones (each copy adds ~10 s to the build on
+ * an AVX2 host) take it at the usual head_dims only (vector_path_dim), the others the scalar path. */
+#define PARTIAL_DIMS_F32                         \
+    switch (head_dim / 16) {                     \
+        case 1: PARTIAL_VEC(1, KV_F32); break;   \
+        case 2: PARTIAL_VEC(2, KV_F32); break;   \
+        case 3: PARTIAL_VEC(3, KV_F32); break;   \
+        case 4: PARTIAL_VEC(4, KV_F32); break;   \
+        case 5: PARTIAL_VEC(5, KV_F32); break;   \
+        case 6: PARTIAL_VEC(6, KV_F32); break;   \
+        case 7: PARTIAL_VEC(7, KV_F32); break;   \
+        case 8: PARTIAL_VEC(8, KV_F32); break;   \
+        default: PARTIAL_VEC(16, KV_F32); break; \
+    }
+#define PARTIAL_DIMS(KV_)                    \
+    switch (head_dim / 16) {                 \
+        case 1: PARTIAL_VEC(1, KV_); break;  \
+        case 2: PARTIAL_VEC(2, KV_); break;  \
+        case 4: PARTIAL_VEC(4, KV_); break;  \
+        default: PARTIAL_VEC(8, KV_); break; \
+    }
+
+/* Whether the vector path takes this head_dim (block_size 16) for caches stored as kv. */
+static int vector_path_dim(int64_t head_dim, int64_t kv) {
+    if (head_dim % 16) return 0;
+    if (kv == KV_F32) return head_dim <= 128 || head_dim == 256;
+    return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128;
+}
+
+static __attribute__((noinline)) void partial_rows(const float *q, const void *k_cache, const void *v_cache,
+                                                   int64_t kv, const int64_t *table, int64_t q_start, int64_t q_len,
                                                    int64_t c_len, int64_t r0, int64_t r1, int64_t b0,
                                                    int64_t b1, int64_t num_heads, int64_t num_kv_heads,
                                                    int64_t head_dim, float scale, int64_t window, float *st) {
     float scores[TILE_ROWS * CHUNK_KEYS];
     for (int64_t t0 = r0; t0 < r1; t0 += TILE_ROWS) {
         const int64_t t1 = t0 + TILE_ROWS < r1 ? t0 + TILE_ROWS : r1;
-        switch (head_dim / 16) {
-            case 1: PARTIAL_VEC(1); break;
-            case 2: PARTIAL_VEC(2); break;
-            case 3: PARTIAL_VEC(3); break;
-            case 4: PARTIAL_VEC(4); break;
-            case 5: PARTIAL_VEC(5); break;
-            case 6: PARTIAL_VEC(6); break;
-            case 7: PARTIAL_VEC(7); break;
-            case 8: PARTIAL_VEC(8); break;
-            default: PARTIAL_VEC(16); break;
-        }
+        if (kv == KV_BF16)
+            PARTIAL_DIMS(KV_BF16)
+        else if (kv == KV_I8)
+            PARTIAL_DIMS(KV_I8)
+        else
+            PARTIAL_DIMS_F32
     }
 }
 
@@ -482,15 +583,15 @@ static int64_t first_chunk(int64_t c_len, int64_t q_len, int64_t window) {
 }
 
 /* Chunks one after another: rows r0..r1-1 of one request (see partial_tile_vec). work: 2 * rows * (dim + 2). */
-static void attend_rows_chunked(const float *q, float *out, const float *k_cache, const float *v_cache,
-                                const int64_t *table, int64_t q_start, int64_t q_len, int64_t c_len, int64_t r0,
+static void attend_rows_chunked(const float *q, float *out, const void *k_cache, const void *v_cache,
+                                int64_t kv, const int64_t *table, int64_t q_start, int64_t q_len, int64_t c_len, int64_t r0,
                                 int64_t r1, int64_t num_heads, int64_t num_kv_heads, int64_t dim, float scale,
                                 int64_t window, float *work) {
     const int64_t rows = r1 - r0, nblocks = (c_len + 15) / 16;
     float *run = work, *part = work + rows * (dim + 2);
     init_state(run, rows, dim);
     for (int64_t b0 = first_chunk(c_len, q_len, window) * CHUNK_BLOCKS; b0 < nblocks; b0 += CHUNK_BLOCKS) {
-        partial_rows(q, k_cache, v_cache, table, q_start, q_len, c_len, r0, r1, b0, b0 + CHUNK_BLOCKS, num_heads,
+        partial_rows(q, k_cache, v_cache, kv, table, q_start, q_len, c_len, r0, r1, b0, b0 + CHUNK_BLOCKS, num_heads,
                      num_kv_heads, dim, scale, window, part);
         fold_rows(run, part, rows, dim);
     }
@@ -499,7 +600,7 @@ static void attend_rows_chunked(const float *q, float *out, const float *k_cache
 
 /* Chunks side by side, for a few short queries: each (request, chunk, kv head) is a work item over that kv
  * head's rows, writing its partials to a scratch buffer; then each request folds them in chunk order. */
-static int attend_split(const float *q, float *out, const float *k_cache, const float *v_cache,
+static int attend_split(const float *q, float *out, const void *k_cache, const void *v_cache, int64_t kv,
                         const int64_t *block_table, int64_t table_width, const int64_t *query_start,
                         const int64_t *query_len, const int64_t *context_len, int64_t num_seqs, int64_t num_heads,
                         int64_t num_kv_heads, int64_t dim, float scale, int64_t window) {
@@ -532,7 +633,7 @@ static int attend_split(const float *q, float *out, const float *k_cache, const 
         for (int64_t it = 0; it < items * num_kv_heads; it++) {
             const int64_t i = it / num_kv_heads, kvh = it % num_kv_heads;
             const int64_t s = item_seq[i], b0 = item_chunk[i] * CHUNK_BLOCKS, rows = group * query_len[s];
-            partial_rows(q, k_cache, v_cache, block_table + s * table_width, query_start[s], query_len[s],
+            partial_rows(q, k_cache, v_cache, kv, block_table + s * table_width, query_start[s], query_len[s],
                          context_len[s], kvh * rows, (kvh + 1) * rows, b0, b0 + CHUNK_BLOCKS, num_heads,
                          num_kv_heads, dim, scale, window, scratch + item_off[i] + kvh * rows * stride);
         }
@@ -564,14 +665,14 @@ static int use_split(const int64_t *query_len, int64_t num_seqs, int64_t num_kv_
 }
 
 /* Returns 0 on success, 1 when a work buffer could not be allocated. */
-int paged_attention_f32(const float *q, float *out, const float *k_cache, const float *v_cache,
+int paged_attention_f32(const float *q, float *out, const void *k_cache, const void *v_cache,
                         const int64_t *block_table, int64_t table_width, const int64_t *query_start,
                         const int64_t *query_len, const int64_t *context_len, int64_t num_seqs,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        float scale, int64_t window) {
-    const int vector_path = block_size == 16 && head_dim % 16 == 0 && (head_dim <= 128 || head_dim == 256);
+                        float scale, int64_t window, int64_t kv_dtype) {
+    const int vector_path = block_size == 16 && vector_path_dim(head_dim, kv_dtype);
     if (vector_path && use_split(query_len, num_seqs, num_kv_heads))
-        return attend_split(q, out, k_cache, v_cache, block_table, table_width, query_start, query_len,
+        return attend_split(q, out, k_cache, v_cache, kv_dtype, block_table, table_width, query_start, query_len,
                             context_len, num_seqs, num_heads, num_kv_heads, head_dim, scale, window);
     const int64_t group = num_heads / num_kv_heads;
     /* Few (request, kv head) pairs, as with a long prefill: split each pair's rows so every thread works
@@ -588,7 +689,8 @@ int paged_attention_f32(const float *q, float *out, const float *k_cache, const 
         const int64_t s = pair / num_kv_heads, kvh = pair % num_kv_heads;
         const int64_t rows = group * query_len[s];
         const int64_t r0 = rows * part / parts, r1 = rows * (part + 1) / parts;
-        const int64_t need = (vector_path ? 2 : 1) * (r1 - r0) * (head_dim + 2);
+        const int64_t need = (vector_path ? 2 : 1) * (r1 - r0) * (head_dim + 2) +
+                             (vector_path || kv_dtype == KV_F32 ? 0 : 2 * head_dim * block_size);
         float stack_work[MAX_STACK_ROWS * (MAX_HEAD_DIM + 2)];
         float *work = stack_work;
         if (need > MAX_STACK_ROWS * (MAX_HEAD_DIM + 2)) {
@@ -599,11 +701,11 @@ int paged_attention_f32(const float *q, float *out, const float *k_cache, const 
             }
         }
         if (vector_path)
-            attend_rows_chunked(q, out, k_cache, v_cache, block_table + s * table_width, query_start[s],
+            attend_rows_chunked(q, out, k_cache, v_cache, kv_dtype, block_table + s * table_width, query_start[s],
                                 query_len[s], context_len[s], kvh * rows + r0, kvh * rows + r1, num_heads,
                                 num_kv_heads, head_dim, scale, window, work);
         else
-            attend_one(q, out, k_cache, v_cache, block_table + s * table_width, query_start[s], query_len[s],
+            attend_one(q, out, k_cache, v_cache, kv_dtype, block_table + s * table_width, query_start[s], query_len[s],
                        context_len[s], kvh, num_heads, num_kv_heads, head_dim, block_size, scale, window, work);
         if (work != stack_work) free(work);
     }

@@ -1,0 +1,90 @@
+/* How a paged KV cache stores one kv head's key or value of one token (a "row" of head_dim numbers), for
+ * kv_copy.c (writes) and paged_attention.c (reads); specserve/ops/kv_cache.py is the PyTorch side.
+ *   KV_F32   head_dim floats.
+ *   KV_BF16  head_dim bfloat16s: fp32's top 16 bits, rounded to nearest even (torch's .to(bfloat16)).
+ *   KV_I8    head_dim int8s q, then the row's fp32 scale s (its 4 bytes): the numbers are q * s, with
+ *            s = max|x| / 127 and q = round(x / s) over this row alone. A scale per token and kv head makes a
+ *            token's stored bits a function of its own key or value, so a verification step writes what a
+ *            one-token step would (a scale per block would change as later tokens join the block, and with
+ *            it the numbers earlier tokens read back). It costs 4 bytes a row: 68 bytes for head_dim 64,
+ *            3.8x fewer than fp32.
+ * Values are stored row after row; keys transposed within each block ([kv head][row element][block slot]),
+ * so element i + 1 of a key row, or the next byte of its int8 scale, lies block_size elements further. */
+#ifndef SPECSERVE_KV_FORMAT_H
+#define SPECSERVE_KV_FORMAT_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 }; /* specserve/ops/kv_cache.py's KV_CODES */
+#define KV_SCALE_BYTES 4
+
+static inline int64_t kv_elem_bytes(int64_t kv) { return kv == KV_F32 ? 4 : kv == KV_BF16 ? 2 : 1; }
+
+/* Elements of a stored row: head_dim, and for int8 the scale's bytes. */
+static inline int64_t kv_row_elems(int64_t head_dim, int64_t kv) {
+    return head_dim + (kv == KV_I8 ? KV_SCALE_BYTES : 0);
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, NaN to 0x7FC0: torch's float -> bfloat16. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (isnan(f)) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+/* An int8 row's scale, whose 4 bytes lie `step` bytes apart from p. */
+static inline float kv_scale(const int8_t *p, int64_t step) {
+    unsigned char b[KV_SCALE_BYTES];
+    for (int j = 0; j < KV_SCALE_BYTES; j++) b[j] = (unsigned char)p[j * step];
+    float s;
+    memcpy(&s, b, sizeof s);
+    return s;
+}
+
+/* The row x (head_dim floats) stored at dst, its elements `step` elements apart. */
+static inline void kv_encode_row(void *dst, const float *x, int64_t head_dim, int64_t step, int64_t kv) {
+    if (kv == KV_F32) {
+        for (int64_t i = 0; i < head_dim; i++) ((float *)dst)[i * step] = x[i];
+    } else if (kv == KV_BF16) {
+        for (int64_t i = 0; i < head_dim; i++) ((uint16_t *)dst)[i * step] = float_to_bf16(x[i]);
+    } else {
+        float amax = 0.0f;
+        for (int64_t i = 0; i < head_dim; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        float s = amax / 127.0f;
+        s = s < 1.17549435e-38f ? 1.17549435e-38f : s; /* an all-zero row: q = 0 (torch's clamp_min) */
+        int8_t *q = dst;
+        for (int64_t i = 0; i < head_dim; i++) {
+            float r = rintf(x[i] / s); /* ties to even, as torch.round */
+            r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+            q[i * step] = (int8_t)r;
+        }
+        unsigned char b[KV_SCALE_BYTES];
+        memcpy(b, &s, sizeof s);
+        for (int j = 0; j < KV_SCALE_BYTES; j++) q[(head_dim + j) * step] = (int8_t)b[j];
+    }
+}
+
+/* Element i of a stored row (for int8 without its scale), its elements `step` elements apart. */
+static inline float kv_load(const void *row, int64_t i, int64_t step, int64_t kv) {
+    if (kv == KV_F32) return ((const float *)row)[i * step];
+    if (kv == KV_BF16) return bf16_to_float(((const uint16_t *)row)[i * step]);
+    return (float)((const int8_t *)row)[i * step];
+}
+
+/* A stored row as head_dim floats (int8: q * s). */
+static inline void kv_decode_row(float *x, const void *row, int64_t head_dim, int64_t step, int64_t kv) {
+    const float s = kv == KV_I8 ? kv_scale((const int8_t *)row + head_dim * step, step) : 1.0f;
+    for (int64_t i = 0; i < head_dim; i++) x[i] = kv == KV_I8 ? kv_load(row, i, step, kv) * s : kv_load(row, i, step, kv);
+}
+
+#endif

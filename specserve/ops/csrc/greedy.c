@@ -19,6 +19,13 @@
  *   s_n / 2 * (||x||_1 + K e)          (the weights' rounding)
  *   + e * ||W[n]||_1                   (the activations' remainder)
  *   + 127 s_n ||x||_1 * gamma_K        (the fp32 GEMM's own rounding, gamma_K = K u / (1 - K u), u = 2^-24).
+ *
+ * Without VNNI (AVX2) the bytes are widened to int16 and multiplied in pairs (vpmaddwd), so the screen costs
+ * per activation row what it costs per int8 term. That path writes each row as one int16 term instead, x ~ t p
+ * with |p| <= P, P the largest value whose sums cannot leave int32 (K * 127 * P < 2^31: P = 18,872 at K = 896):
+ * one pass where two int8 terms took two, with e and the bound as above (e ~ max |x| / 2P against ~max |x| /
+ * 65,000 for the two terms, so about as few columns survive). Either screen only chooses which columns are
+ * recomputed exactly: the argmax is the same on every path.
  */
 #include <math.h>
 #include <stdint.h>
@@ -39,8 +46,8 @@
 #define SCREEN_COLS 16 /* columns of a screen block: one 16-lane int32 accumulator per activation row */
 #define SCREEN_ROWS 16 /* activation rows (8 x rows, two terms each) sharing every weight load; at 18
                         * and more GCC spilled the accumulators (dot products at 350 instead of ~770 GMAC/s) */
-/* The AVX2 path's rows a pass: 4 accumulators a row in 16 registers, so 2 rows (one row of x) keep them with
- * the 4 weight vectors; the block's 16 columns (K4 * 64 bytes) stay in L1 for the next pass. */
+/* The AVX2 path's rows of x a pass (one int16 term each): 4 accumulators a row in 16 registers, so 2 rows keep
+ * them with the 4 weight vectors; the block's 16 columns (K4 * 64 bytes) stay in L1 for the next pass. */
 #ifndef SCREEN_ROWS_AVX2
 #define SCREEN_ROWS_AVX2 2
 #endif
@@ -92,6 +99,23 @@ static double quantize_row(const float *x, int64_t K, int64_t K4, uint8_t *xu, d
     return e * (1.0 + 1e-9) + amax * 1e-15; /* covers the doubles' own rounding */
 }
 
+/* The AVX2 screen's activations: x [K] -> t and p [K4 * 4] int16 (zeros past K) with x ~ t p, |p| <= pmax;
+ * returns e, the largest |x_k - t p_k|. */
+static double quantize_row16(const float *x, int64_t K, int64_t K4, double pmax, int16_t *p, double *t_out) {
+    double amax = 0.0;
+    for (int64_t k = 0; k < K; k++) amax = fmax(amax, fabs((double)x[k]));
+    const double t = amax / pmax;
+    double e = 0.0;
+    memset(p, 0, sizeof(int16_t) * K4 * 4);
+    for (int64_t k = 0; k < K && t > 0.0; k++) {
+        const double v = fmin(fmax(nearbyint(x[k] / t), -pmax), pmax);
+        p[k] = (int16_t)v;
+        e = fmax(e, fabs(x[k] - t * v));
+    }
+    *t_out = t;
+    return e * (1.0 + 1e-9) + amax * 1e-15; /* covers the doubles' own rounding */
+}
+
 /* dots[r][n] = sum_k xu[r][k] * q[n][k] for the `rows` activation rows of one block of 16 columns
  * (w: the block, [K4][16][4]). Integer sums: exact, whichever path computes them. One function per
  * instruction-set path (the screen's route for the call's rows, int8_path_for), each built with its target
@@ -126,12 +150,12 @@ TARGET_VNNI static inline __attribute__((always_inline)) void screen_block_vnni(
     for (int r = 0; r < rows; r++) _mm512_storeu_si512((void *)(dots + r * ldd), acc[r]);
 }
 
-/* No VNNI: bytes widened to int16 and multiplied in pairs (vpmaddwd, exact); lane 2c + i of acc[r][h] holds
- * half i of column 4h + c's sum. */
-TARGET_AVX2 static inline __attribute__((always_inline)) void screen_block_avx2(const uint8_t *xu, int64_t K4,
+/* No VNNI: the weights widened to int16 and multiplied in pairs with int16 activations (vpmaddwd, exact; x16:
+ * `rows` rows of K4 * 4 int16); lane 2c + i of acc[r][h] holds half i of column 4h + c's sum. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void screen_block_avx2(const int16_t *x16, int64_t K4,
                                                                                 const int8_t *w, int32_t *dots,
                                                                                 int64_t ldd, const int rows) {
-    __m256i acc[SCREEN_ROWS][4];
+    __m256i acc[SCREEN_ROWS_AVX2][4];
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < 4; h++) acc[r][h] = _mm256_setzero_si256();
     for (int64_t k4 = 0; k4 < K4; k4++) {
@@ -139,9 +163,9 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void screen_block_avx2(
         __m256i wv[4];
         for (int h = 0; h < 4; h++) wv[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k4 * 64 + 16 * h)));
         for (int r = 0; r < rows; r++) {
-            const uint8_t *xb = xu + r * K4 * 4 + k4 * 4;
-            const __m256i xv = _mm256_set1_epi64x((int64_t)((uint64_t)xb[0] | (uint64_t)xb[1] << 16 |
-                                                            (uint64_t)xb[2] << 32 | (uint64_t)xb[3] << 48));
+            int64_t four;
+            memcpy(&four, x16 + r * K4 * 4 + k4 * 4, sizeof four);
+            const __m256i xv = _mm256_set1_epi64x(four);
             for (int h = 0; h < 4; h++) acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(xv, wv[h]));
         }
     }
@@ -172,7 +196,13 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void screen_block_avx2(
 SCREEN_PASS(portable, )
 #if defined(GREEDY_X86)
 SCREEN_PASS(vnni, TARGET_VNNI)
-SCREEN_PASS(avx2, TARGET_AVX2)
+
+/* One AVX2 pass of `rows` int16 activation rows (one per row of x) over one block. */
+TARGET_AVX2 static void screen_pass_avx2(const int16_t *x16, int64_t K4, const int8_t *w, int32_t *d, int64_t ldd,
+                                         int64_t rows) {
+    if (rows >= 2) screen_block_avx2(x16, K4, w, d, ldd, 2);
+    else screen_block_avx2(x16, K4, w, d, ldd, 1);
+}
 
 /* The screen on AMX tiles (greedy_amx.h), and the same code on emulated tiles (tests) */
 #if INT8_AMX_BUILT
@@ -191,23 +221,18 @@ SCREEN_PASS(avx2, TARGET_AVX2)
 #endif
 
 /* dots [R][Np] (Np = the columns rounded up to 16) for activation rows xu [R][K4 * 4] (R even: two terms a
- * row; rows up to R rounded up to 16 readable, zeros past R). Rows go through the weights in as few passes
- * as SCREEN_ROWS (AVX2: SCREEN_ROWS_AVX2) allows, the passes equal in size; on AMX, in tiles of 16 rows. */
-static void screen_dots(const uint8_t *xu, int64_t R, int64_t K4, const int8_t *packed, int64_t Np, int32_t *dots) {
-    const int path = int8_path_for(INT8_SCREEN, R / 2); /* R: two terms per row of x */
+ * row; rows up to R rounded up to 16 readable, zeros past R) on `path` (not AVX2). Rows go through the
+ * weights in as few passes as SCREEN_ROWS allows, the passes equal in size; on AMX, in tiles of 16 rows. */
+static void screen_dots(int path, const uint8_t *xu, int64_t R, int64_t K4, const int8_t *packed, int64_t Np,
+                        int32_t *dots) {
 #if defined(GREEDY_X86)
 #if INT8_AMX_BUILT
     if (path == INT8_AMX) return screen_dots_amx(xu, R, K4, packed, Np, dots);
 #endif
     if (path == INT8_AMX_EMULATED) return screen_dots_amx_emulated(xu, R, K4, packed, Np, dots);
 #endif
-#if defined(GREEDY_X86)
-    const int64_t most = path == INT8_AVX2 ? SCREEN_ROWS_AVX2 : SCREEN_ROWS;
-#else
-    const int64_t most = SCREEN_ROWS;
-#endif
-    const int64_t passes = (R + most - 1) / most;
-    const int64_t per_pass = 2 * ((R / 2 + passes - 1) / passes); /* activation rows, even, <= most */
+    const int64_t passes = (R + SCREEN_ROWS - 1) / SCREEN_ROWS;
+    const int64_t per_pass = 2 * ((R / 2 + passes - 1) / passes); /* activation rows, even, <= SCREEN_ROWS */
 #pragma omp parallel for schedule(static) if (R * K4 * Np >= (1 << 16))
     for (int64_t b = 0; b < Np / SCREEN_COLS; b++) {
         const int8_t *w = packed + b * K4 * 64;
@@ -220,15 +245,23 @@ static void screen_dots(const uint8_t *xu, int64_t R, int64_t K4, const int8_t *
                 screen_pass_vnni(x, K4, w, d, Np, pairs);
                 continue;
             }
-            if (path == INT8_AVX2) {
-                screen_pass_avx2(x, K4, w, d, Np, pairs);
-                continue;
-            }
 #endif
             screen_pass_portable(x, K4, w, d, Np, pairs);
         }
     }
 }
+
+#if defined(GREEDY_X86)
+/* The AVX2 screen: dots [M][Np] for int16 activation rows x16 [M][K4 * 4], SCREEN_ROWS_AVX2 rows a pass. */
+static void screen_dots_avx2(const int16_t *x16, int64_t M, int64_t K4, const int8_t *packed, int64_t Np,
+                             int32_t *dots) {
+#pragma omp parallel for schedule(static) if (M * K4 * Np >= (1 << 15))
+    for (int64_t b = 0; b < Np / SCREEN_COLS; b++)
+        for (int64_t r0 = 0; r0 < M; r0 += SCREEN_ROWS_AVX2)
+            screen_pass_avx2(x16 + r0 * K4 * 4, K4, packed + b * K4 * 64, dots + r0 * Np + b * SCREEN_COLS, Np,
+                             M - r0);
+}
+#endif
 
 #if defined(GREEDY_X86)
 /* screen_dots on (emulated) AMX tiles against the VNNI path on a fixed problem: 34 rows (three tiles, the
@@ -257,14 +290,15 @@ int screen_amx_self_check(int emulated) { return (void)emulated, 0; }
 #endif
 
 /* Column n's screened logit of one row (d1, d2: its two terms' dot products) plus or minus its bound. */
-#define SCREENED(n) (scale[n] * (t * (d1[n] - 128.0 * col_sum[n]) + t2 * (d2[n] - 128.0 * col_sum[n])))
+#define SCREENED(n) (scale[n] * (t * (d1[n] - offset * col_sum[n]) + t2 * (d2[n] - offset * col_sum[n])))
 #define BOUND(n) (a * scale[n] + ew * w_l1[n])
 
-/* One row: its two terms' dot products d1, d2 [Np] in, the exact argmax out; 1 when a fallback to the full
- * row could not allocate its buffer. */
+/* One row: its two terms' dot products d1, d2 [Np] in (with `offset` the terms' stored offset: 128 for the
+ * unsigned bytes, 0 for the AVX2 screen's one int16 term, whose t2 is 0), the exact argmax out; 1 when a
+ * fallback to the full row could not allocate its buffer. */
 static int row_argmax(const float *x, const weight_t *packed, const float *scale, const int32_t *col_sum,
-                      const double *w_l1, const int32_t *d1, const int32_t *d2, const double row[4], int64_t K,
-                      int64_t N, const uint8_t *allowed, int64_t *out) {
+                      const double *w_l1, const int32_t *d1, const int32_t *d2, double offset, const double row[4],
+                      int64_t K, int64_t N, const uint8_t *allowed, int64_t *out) {
     const double t = row[0], t2 = row[1], e = row[2], l1 = row[3]; /* see lm_head_argmax_f32 */
     const double u = 0x1p-24, gamma = K * u / (1.0 - K * u);
     /* 1e-3 on top covers the scales' own rounding and this arithmetic */
@@ -319,33 +353,55 @@ int lm_head_argmax_f32(const float *x, const void *data, int64_t format, int64_t
                        int64_t N, int64_t *out) {
     const int64_t K4 = (K + 3) / 4, Np = (N + SCREEN_COLS - 1) / SCREEN_COLS * SCREEN_COLS;
     const weight_t weight = {data, format, group}, *packed = &weight;
+    const int path = int8_path_for(INT8_SCREEN, M);
+#if defined(GREEDY_X86)
+    const int wide = path == INT8_AVX2; /* one int16 term a row (see the top of this file) */
+#else
+    const int wide = 0;
+#endif
+    const int64_t terms = wide ? 1 : 2;
     const int64_t tile_rows = (2 * M + 15) / 16 * 16; /* AMX reads whole tiles of 16 activation rows */
-    uint8_t *xu = calloc(tile_rows * K4 * 4 + 1, 1);
-    int32_t *dots = malloc(sizeof(int32_t) * (2 * M * Np + 1));
+    uint8_t *xu = calloc(tile_rows * K4 * 4 * (wide ? 0 : 1) + M * K4 * 4 * (wide ? 2 : 0) + 1, 1);
+    int32_t *dots = malloc(sizeof(int32_t) * (terms * M * Np + 1));
     double *rows = malloc(sizeof(double) * (4 * M + 1)); /* per row: t, t2, e (quantize_row), ||x||_1 */
     if (!xu || !dots || !rows) {
         free(xu), free(dots), free(rows);
         return 1;
     }
+    int16_t *x16 = (int16_t *)xu;
+    const double pmax = fmin(32767.0, floor(2147483647.0 / (127.0 * (double)(K4 * 4))));
     for (int64_t m = 0; m < M; m++) {
         double *r = rows + 4 * m;
         r[3] = 0.0;
         for (int64_t k = 0; k < K; k++) r[3] += fabs((double)x[m * K + k]);
-        if (isfinite(r[3]))
+        if (!isfinite(r[3]))
+            continue; /* the full row (its screen terms stay zero) */
+        if (wide) {
+            r[2] = quantize_row16(x + m * K, K, K4, pmax, x16 + m * K4 * 4, r);
+            r[1] = 0.0;
+        } else {
             r[2] = quantize_row(x + m * K, K, K4, xu + 2 * m * K4 * 4, r, r + 1);
-        else
-            memset(xu + 2 * m * K4 * 4, 128, 2 * K4 * 4);
+        }
     }
-    screen_dots(xu, 2 * M, K4, q, Np, dots);
+    if (!wide) {
+        for (int64_t m = 0; m < M; m++)
+            if (!isfinite(rows[4 * m + 3])) memset(xu + 2 * m * K4 * 4, 128, 2 * K4 * 4);
+        screen_dots(path, xu, 2 * M, K4, q, Np, dots);
+    }
+#if defined(GREEDY_X86)
+    else
+        screen_dots_avx2(x16, M, K4, q, Np, dots);
+#endif
     int failed = 0;
 #pragma omp parallel for if (M > 1) reduction(| : failed)
     for (int64_t m = 0; m < M; m++) {
         const uint8_t *row_allowed = allowed ? allowed + m * N : NULL;
+        const int32_t *d1 = dots + terms * m * Np, *d2 = dots + (terms * m + terms - 1) * Np;
         if (!isfinite(rows[4 * m + 3]))
             failed |= full_row(x + m * K, packed, K, N, row_allowed, out + m);
         else
-            failed |= row_argmax(x + m * K, packed, scale, col_sum, w_l1, dots + 2 * m * Np, dots + (2 * m + 1) * Np,
-                                 rows + 4 * m, K, N, row_allowed, out + m);
+            failed |= row_argmax(x + m * K, packed, scale, col_sum, w_l1, d1, d2, wide ? 0.0 : 128.0, rows + 4 * m,
+                                 K, N, row_allowed, out + m);
     }
     free(xu), free(dots), free(rows);
     return failed;

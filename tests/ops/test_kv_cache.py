@@ -11,6 +11,7 @@ from specserve.ops.attention import build_attention_metadata, kv_caches, paged_a
 from specserve.ops.kv_cache import (KV_CODES, decode, encode, kv_storage_dtype, quantize_int8, round_trip, row_bytes,
                                     row_width)
 from tests.kernel_support import requires_c_kernels
+from tests.ops.test_attention import _dense
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8]
 PATHS = [False, pytest.param(True, marks=requires_c_kernels)]
@@ -80,21 +81,6 @@ def _bits(k_cache):
     return k_cache.permute(0, 2, 3, 1).contiguous().view(torch.uint8)
 
 
-def _reference(q, k, v, scale, window=0):
-    """float64 attention of q [Q, H, D] at the last Q positions of k, v [L, Hkv, D]."""
-    q, k, v = q.double(), k.double(), v.double()
-    q_len, c_len = q.shape[0], k.shape[0]
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    scores = torch.einsum("qhd,lhd->hql", q, k) * scale
-    query_pos = torch.arange(c_len - q_len, c_len)[:, None]
-    allowed = torch.arange(c_len)[None, :] <= query_pos
-    if window:
-        allowed &= torch.arange(c_len)[None, :] > query_pos - window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v).reshape(q_len, -1)
-
-
 class _Filled:
     """A cache of `dtype` holding each request's context before this step, the step's queries and K/V."""
 
@@ -133,7 +119,7 @@ class _Filled:
         ctx, bs = self.slots[i], self.block_size
         k = decode(self.k_cache[ctx // bs, ctx % bs], self.head_dim, torch.float64)
         v = decode(self.v_cache.view(-1, HKV, self.v_cache.shape[-1])[ctx], self.head_dim, torch.float64)
-        return _reference(self.q[i], k, v, 1 / math.sqrt(self.head_dim), window)
+        return _dense(self.q[i].double(), k, v, 1 / math.sqrt(self.head_dim), window)
 
     def check(self, out, window=0):
         """out of a step over every request against the references: fp32 arithmetic over the stored numbers,

@@ -144,9 +144,6 @@ TARGET_AVX2 static inline ALWAYS_INLINE void group_avx2(const uint8_t *rec, cons
     }
 }
 
-#undef Q8_PATH
-#undef Q8_TARGET
-#undef Q8_GROUP
 #define Q8_PATH avx2
 #define Q8_TARGET TARGET_AVX2
 #define Q8_GROUP group_avx2
@@ -190,9 +187,6 @@ TARGET_VNNI static inline ALWAYS_INLINE void group_vnni(const uint8_t *rec, cons
     }
 }
 
-#undef Q8_PATH
-#undef Q8_TARGET
-#undef Q8_GROUP
 #define Q8_PATH vnni
 #define Q8_TARGET TARGET_VNNI
 #define Q8_GROUP group_vnni

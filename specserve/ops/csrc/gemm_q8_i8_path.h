@@ -1,7 +1,8 @@
 /* One instruction-set path of gemm_q8_i8.c, included there once per path with these defined: Q8_PATH (the
  * suffix of its functions' names), Q8_TARGET (their target attribute, or nothing) and Q8_GROUP (one weight
  * group's step for up to Q8_ROWS rows: the exact integer sums T, then each row's 32 accumulators acc =
- * fma(T, a * unit, acc), acc = fma(b, unit * S, acc), the same fp32 operations on every path). */
+ * fma(T, a * unit, acc), acc = fma(b, unit * S, acc), the same fp32 operations on every path). The header
+ * undefines these at its end, ready for the next path. */
 #define Q8_JOIN(a, b) a##_##b
 #define Q8_NAME(a, b) Q8_JOIN(a, b)
 
@@ -54,3 +55,6 @@ Q8_TARGET static void Q8_NAME(gemm_blocks, Q8_PATH)(const q8_rows_t *x, const ui
 
 #undef Q8_NAME
 #undef Q8_JOIN
+#undef Q8_PATH
+#undef Q8_TARGET
+#undef Q8_GROUP

@@ -361,7 +361,8 @@ int lm_head_argmax_f32(const float *x, const void *data, int64_t format, int64_t
 #endif
     const int64_t terms = wide ? 1 : 2;
     const int64_t tile_rows = (2 * M + 15) / 16 * 16; /* AMX reads whole tiles of 16 activation rows */
-    uint8_t *xu = calloc(tile_rows * K4 * 4 * (wide ? 0 : 1) + M * K4 * 4 * (wide ? 2 : 0) + 1, 1);
+    /* the activation terms: int8 ones as unsigned bytes, or the AVX2 screen's int16 ones */
+    uint8_t *xu = calloc((wide ? M * K4 * 4 * (int64_t)sizeof(int16_t) : tile_rows * K4 * 4) + 1, 1);
     int32_t *dots = malloc(sizeof(int32_t) * (terms * M * Np + 1));
     double *rows = malloc(sizeof(double) * (4 * M + 1)); /* per row: t, t2, e (quantize_row), ||x||_1 */
     if (!xu || !dots || !rows) {
@@ -374,8 +375,10 @@ int lm_head_argmax_f32(const float *x, const void *data, int64_t format, int64_t
         double *r = rows + 4 * m;
         r[3] = 0.0;
         for (int64_t k = 0; k < K; k++) r[3] += fabs((double)x[m * K + k]);
-        if (!isfinite(r[3]))
-            continue; /* the full row (its screen terms stay zero) */
+        if (!isfinite(r[3])) { /* the full row: its screen terms are zeros */
+            if (!wide) memset(xu + 2 * m * K4 * 4, 128, 2 * K4 * 4);
+            continue;
+        }
         if (wide) {
             r[2] = quantize_row16(x + m * K, K, K4, pmax, x16 + m * K4 * 4, r);
             r[1] = 0.0;
@@ -383,15 +386,12 @@ int lm_head_argmax_f32(const float *x, const void *data, int64_t format, int64_t
             r[2] = quantize_row(x + m * K, K, K4, xu + 2 * m * K4 * 4, r, r + 1);
         }
     }
-    if (!wide) {
-        for (int64_t m = 0; m < M; m++)
-            if (!isfinite(rows[4 * m + 3])) memset(xu + 2 * m * K4 * 4, 128, 2 * K4 * 4);
-        screen_dots(path, xu, 2 * M, K4, q, Np, dots);
-    }
 #if defined(GREEDY_X86)
-    else
+    if (wide)
         screen_dots_avx2(x16, M, K4, q, Np, dots);
+    else
 #endif
+        screen_dots(path, xu, 2 * M, K4, q, Np, dots);
     int failed = 0;
 #pragma omp parallel for if (M > 1) reduction(| : failed)
     for (int64_t m = 0; m < M; m++) {

@@ -3,9 +3,11 @@
 refused by name."""
 import pytest
 
-from specserve.config import EngineConfig
-from specserve.llm import LLM
-from tests.tiny_models import save_hf_folder, tiny_hf_model
+pytest.importorskip("transformers", reason="the tiny random models come from transformers (pip install '.[test]')")
+
+from specserve.config import EngineConfig  # noqa: E402
+from specserve.llm import LLM  # noqa: E402
+from tests.tiny_models import save_hf_folder, tiny_hf_model  # noqa: E402
 
 BUDGET = 8 << 20
 ROW_BYTES = {"auto": 256, "bfloat16": 128, "int8": 68}  # one kv head's key (or value) of one token, head_dim 64

@@ -16,6 +16,7 @@ from specserve.engine.request import Request, RequestStatus, SpecDecodeStats
 from specserve.engine.scheduler import Scheduler, SchedulerConfig
 from specserve.models.gguf_quant import ACTIVATION_DIGITS, int8_activation_weights
 from specserve.models.loader import load_model_weights
+from specserve.ops.heap import trim_heap
 from specserve.models.registry import build_model
 from specserve.multimodal.processor import MultiModalProcessor
 from specserve.sampling_params import SamplingParams
@@ -72,6 +73,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.block_size, set(self.eos_token_ids), self.max_model_len,
                                   self.spec_config, config.linear_weight_dtype,
                                   config.gguf_compute if config.keep_gguf_blocks else None, config.kv_cache_dtype)
+        del loaded
+        trim_heap()  # what building the models freed, before the KV cache is allocated beside them
         num_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks, self.num_window_blocks)
         self.runner.calibrate_step_costs(min(num_blocks, self.num_window_blocks or num_blocks), config.max_num_seqs)

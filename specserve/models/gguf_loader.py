@@ -3,7 +3,8 @@
 Weight matrices in a supported block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16) become
 `QuantizedWeight`s, repacked for the C GEMM, which reads them as they are (specserve.models.gguf_quant);
 other types are dequantized to float32 at load, with a log line. Repacking takes seconds, so the result
-is cached as safetensors (the packed blocks, not fp32), keyed by the GGUF file's path, size and mtime.
+is cached as safetensors (the packed blocks, not fp32), keyed by the GGUF file's path, size and mtime; it is
+written a tensor at a time and read a tensor at a time, so neither holds the whole model twice.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import time
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -312,13 +316,17 @@ def _keeps_blocks(tensor) -> bool:
 def convert_tensors(reader, config: dict, path: str) -> dict[str, torch.Tensor | QuantizedWeight]:
     """All model tensors of an open GGUF file, named as in transformers: weight matrices of the block types
     the kernels read as QuantizedWeights, the rest (norms, biases, other types) dequantized to float32."""
+    return dict(iter_tensors(reader, config, path))
+
+
+def iter_tensors(reader, config: dict, path: str) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """convert_tensors' (name, tensor) pairs one at a time, in the file's order."""
     arch = config["model_type"]
     heads_for = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in reader.tensors:
         expert = _LAYER_TENSOR_RE.fullmatch(tensor.name)
         if expert and expert[2] in _EXPERT_TENSOR_NAMES:
-            state_dict.update(split_experts(tensor, f"model.layers.{expert[1]}.", expert[2], path))
+            yield from split_experts(tensor, f"model.layers.{expert[1]}.", expert[2], path).items()
             continue
         name = hf_tensor_name(tensor.name, arch)
         if name is None:
@@ -329,7 +337,7 @@ def convert_tensors(reader, config: dict, path: str) -> dict[str, torch.Tensor |
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if _keeps_blocks(tensor):
             order = unpermute_rotary_rows(np.arange(shape[0]), heads_for[kind]) if permuted else None
-            state_dict[name] = QuantizedWeight.from_gguf(tensor.data, tensor.tensor_type.name, shape, order)
+            yield name, QuantizedWeight.from_gguf(tensor.data, tensor.tensor_type.name, shape, order)
             continue
         if len(shape) == 2 and tensor.tensor_type.name != "F32":
             logger.info("%s: tensor %s is %s, which the kernels do not read in blocks: dequantized to float32",
@@ -339,8 +347,7 @@ def convert_tensors(reader, config: dict, path: str) -> dict[str, torch.Tensor |
             values = values - np.float32(1.0)  # llama.cpp stores Gemma's 1 + w; transformers' weights are w
         if permuted:
             values = unpermute_rotary_rows(values, heads_for[kind])
-        state_dict[name] = torch.from_numpy(np.ascontiguousarray(values))  # [out, in] or [n]
-    return state_dict
+        yield name, torch.from_numpy(np.ascontiguousarray(values))  # [out, in] or [n]
 
 
 def split_experts(tensor, prefix: str, kind: str, path: str) -> dict[str, torch.Tensor | QuantizedWeight]:
@@ -389,58 +396,133 @@ def atomic_write(target: Path, write: Callable[[str], None]) -> None:
             os.remove(tmp)
 
 
-def _read_cache(folder: Path) -> tuple[dict, dict] | None:
-    """(config, state dict) from a cache folder, or None if it is absent or unreadable."""
-    from safetensors import safe_open
+# safetensors dtype names of the tensors a cache holds
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8,
+                       "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
+_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
+
+class CachedTensors(Mapping):
+    """The state dict in a cache file, each tensor read from the file when it is asked for (a QuantizedWeight
+    for packed ones) and the same object while it is alive.
+
+    Read, not memory-mapped: a mapped file's pages stay in the process's resident set for as long as the
+    mapping lives, beside the repacked and fused copies the model builds from them (for a 1.5B model ~1.5 GB
+    more), and a model builder that reads one layer at a time holds one layer's parts at a time."""
+
+    def __init__(self, file: Path) -> None:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= size - 8:
+                raise ValueError(f"header length {length} does not fit a file of {size} bytes")
+            header = json.loads(f.read(length))
+        metadata = header.pop("__metadata__", None) or {}
+        self.file, self.data_start, self.entries = file, 8 + length, header
+        self.packed = json.loads(metadata.get("quantized", "{}"))
+        end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+        if self.data_start + end > size or any(entry["dtype"] not in _SAFETENSORS_DTYPES for entry in header.values()):
+            raise ValueError(f"{size} bytes hold less than the header describes, or an unknown dtype")
+        self._alive: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def __getitem__(self, name: str):
+        value = self._alive.get(name)
+        if value is None:
+            value = self._read(name)
+            self._alive[name] = value
+        return value
+
+    def _read(self, name: str):
+        entry = self.entries[name]
+        begin, end = entry["data_offsets"]
+        raw = torch.empty(end - begin, dtype=torch.uint8)
+        with open(self.file, "rb") as f:
+            f.seek(self.data_start + begin)
+            if f.readinto(raw.numpy()) != end - begin:
+                raise ModelLoadError(f"{self.file}: {name!r} runs past the end of the file; delete the cache folder")
+        tensor = raw.view(_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        meta = self.packed.get(name)
+        if meta is None:
+            return tensor
+        return QuantizedWeight(tensor, meta["format"], meta["group"], tuple(meta["shape"]), meta["qtype"])
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def _convert_into_cache(folder: Path, reader, config: dict, path: str) -> tuple[dict, Mapping] | None:
+    """Convert the file's tensors one at a time into the cache folder (the config, written last, marks it
+    complete) and return (config, the cache's state dict); None when the folder cannot be written, for the
+    caller to convert in memory."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        names = _write_safetensors(folder / "model.safetensors", iter_tensors(reader, config, path))
+        check_state_dict(config, dict.fromkeys(names), path)
+        atomic_write(folder / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
+    except OSError as e:
+        logger.warning("could not cache converted GGUF in %s: %s", folder, e)
+        return None
+    return _read_cache(folder)
+
+
+def _read_cache(folder: Path) -> tuple[dict, Mapping] | None:
+    """(config, state dict read on demand) from a cache folder, or None if it is absent or unreadable."""
     config_file, weights_file = folder / "config.json", folder / "model.safetensors"
     if not (config_file.exists() and weights_file.exists()):
         return None
     try:
-        state_dict = {}
-        with safe_open(str(weights_file), framework="pt") as f:
-            packed = json.loads((f.metadata() or {}).get("quantized", "{}"))
-            for name in f.keys():
-                t = f.get_tensor(name)
-                if name in packed:
-                    meta = packed[name]
-                    t = QuantizedWeight(t, meta["format"], meta["group"], tuple(meta["shape"]), meta["qtype"])
-                state_dict[name] = t
-        return json.loads(config_file.read_text()), state_dict
+        return json.loads(config_file.read_text()), CachedTensors(weights_file)
     except Exception as e:  # a damaged cache is rebuilt, not fatal
         logger.warning("ignoring unreadable cache %s: %s", folder, e)
         return None
 
 
-def _write_cache(folder: Path, config: dict, state_dict: dict) -> None:
-    """Store a converted checkpoint (QuantizedWeights as their packed bytes, described in the file's
-    metadata); the config is written last and marks the entry complete."""
-    from safetensors.torch import save_file
+def _write_safetensors(target: Path, tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> list[str]:
+    """Write (name, tensor) pairs as they come into a safetensors file (QuantizedWeights as their packed bytes,
+    described in the file's `quantized` metadata), holding one tensor at a time; returns the names.
 
-    tensors, packed = {}, {}
-    for name, t in state_dict.items():
-        if isinstance(t, QuantizedWeight):
-            packed[name] = {"format": t.format, "group": t.group, "shape": list(t.shape), "qtype": t.qtype}
-            t = t.packed
-        tensors[name] = t
-    try:
-        atomic_write(folder / "model.safetensors",
-                     lambda tmp: save_file(tensors, tmp, metadata={"quantized": json.dumps(packed)}))
-        atomic_write(folder / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
-    except OSError as e:
-        logger.warning("could not cache converted GGUF in %s: %s", folder, e)
+    The data goes to a file beside it first, as the header that precedes it lists every tensor's offsets."""
+    entries: dict[str, dict] = {}
+    packed: dict[str, dict] = {}
+    offset = 0
+    with tempfile.TemporaryFile(dir=target.parent) as data:
+        for name, t in tensors:
+            if isinstance(t, QuantizedWeight):
+                packed[name] = {"format": t.format, "group": t.group, "shape": list(t.shape), "qtype": t.qtype}
+                t = t.packed
+            t = t.contiguous()
+            nbytes = t.numel() * t.element_size()
+            data.write(t.reshape(-1).view(torch.uint8).numpy().data if nbytes else b"")
+            entries[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                             "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header = json.dumps({"__metadata__": {"quantized": json.dumps(packed)}, **entries}).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
+        data.seek(0)
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as out:
+                out.write(len(header).to_bytes(8, "little") + header)
+                shutil.copyfileobj(data, out, 16 << 20)
+
+        atomic_write(target, write)
+    return list(entries)
 
 
 # ---------------------------------------------------------------- entry point
 
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32, use_cache: bool = True,
-              keep_quantized: bool = False) -> tuple[dict, dict]:
+              keep_quantized: bool = False) -> tuple[dict, Mapping]:
     """(HF config dict, HF-named state dict) for a llama/qwen2/qwen3 GGUF file, or their MoE kin (Mixtral,
     qwen2moe, qwen3moe).
 
-    keep_quantized (with dtype float32): weight matrices stay QuantizedWeights in the file's blocks; else
-    every tensor is a `dtype` tensor (QuantizedWeights dequantized: exactly the gguf package's values)."""
+    keep_quantized (with dtype float32): weight matrices stay QuantizedWeights in the file's blocks, and the
+    state dict is the cache's, read a tensor at a time as it is asked for (CachedTensors); else every tensor
+    is a `dtype` tensor (QuantizedWeights dequantized: exactly the gguf package's values)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     folder = gguf_cache_dir(path) if use_cache else None
@@ -450,11 +532,13 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, use_cache: bool = T
         reader = open_gguf(path)
         shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
         config = gguf_config(read_metadata(reader), shapes, path)
-        state_dict = convert_tensors(reader, config, path)
-        check_state_dict(config, state_dict, path)
+        cached = _convert_into_cache(folder, reader, config, path) if folder else None
+        if cached is None:
+            state_dict = convert_tensors(reader, config, path)
+            check_state_dict(config, state_dict, path)
+        else:
+            state_dict = cached[1]
         logger.info("converted %s in %.1f s", path, time.perf_counter() - start)
-        if folder:
-            _write_cache(folder, config, state_dict)
     else:
         config, state_dict = cached
     if keep_quantized and dtype == torch.float32:

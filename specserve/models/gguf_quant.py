@@ -41,6 +41,7 @@ _FORMAT_NAMES = {Q4: "q4", Q8: "q8", F16: "f16", Q4_I8: "q4 x int8", Q4_Q8: "q4 
 ACTIVATION_DIGITS = {"int8": 2, "q8": 1}
 _HEADER = 2 * BLOCK * 4  # a[32] and b[32] fp32 at the start of each record
 _SUPER = 256  # values per k-quant super-block
+_CHUNK_ROWS = 64 * BLOCK  # rows repacked at a time (from_gguf)
 
 
 def _halves(raw: np.ndarray, at: int) -> np.ndarray:
@@ -200,7 +201,21 @@ class QuantizedWeight:
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str, shape: tuple[int, int],
                   row_order: np.ndarray | None = None) -> "QuantizedWeight":
-        """From a GGUF tensor's raw data; row_order: a permutation of the N rows to apply (llama's q/k)."""
+        """From a GGUF tensor's raw data; row_order: a permutation of the N rows to apply (llama's q/k).
+
+        A large weight is repacked _CHUNK_ROWS rows at a time into its final tensor: decoding and reordering a
+        whole 152k-row embedding at once would hold ~4x its packed size in temporaries."""
+        n, k = shape
+        if row_order is None and n > _CHUNK_ROWS:
+            rows = np.asarray(raw).reshape(n, -1)
+            first = cls.from_gguf(rows[:_CHUNK_ROWS], type_name, (_CHUNK_ROWS, k))
+            per_row = first.packed.numel() // _CHUNK_ROWS  # per row of whole column blocks
+            packed = torch.empty((n + (-n % BLOCK)) * per_row, dtype=first.packed.dtype)
+            packed[: first.packed.numel()] = first.packed
+            for start in range(_CHUNK_ROWS, n, _CHUNK_ROWS):
+                part = cls.from_gguf(rows[start:start + _CHUNK_ROWS], type_name, (min(_CHUNK_ROWS, n - start), k))
+                packed[start * per_row: start * per_row + part.packed.numel()] = part.packed
+            return cls(packed, first.format, first.group, shape, type_name)
         if type_name == "F16":
             halves = np.ascontiguousarray(raw).view(np.float16).reshape(shape)
             return cls.from_f16(halves if row_order is None else halves[row_order])

@@ -15,7 +15,7 @@ def pack_argmax_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return pack_argmax_screen_rows(tuple(weight.shape), lambda start, end: weight[start:end])
 
 
-SCREEN_PACK_ROWS = 4096  # rows of W dequantized at a time: a vocabulary's fp32 head is never whole in memory
+SCREEN_PACK_ROWS = 1024  # rows of W dequantized at a time: a vocabulary's fp32 head is never whole in memory
 
 
 def pack_argmax_screen_rows(shape: tuple[int, int], rows) -> tuple[torch.Tensor, ...]:

@@ -3,12 +3,15 @@ synthetic GGUFs written with gguf.GGUFWriter against gguf's dequantize."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf  # a dependency of specserve, not optional: its absence is a failure, not a skip
 import numpy as np
 import pytest
 import torch
 
-from specserve.models.gguf_loader import load_gguf, unpermute_rotary_rows
+from specserve.models.gguf_loader import CachedTensors, load_gguf, unpermute_rotary_rows
+from specserve.models.gguf_quant import QuantizedWeight
 from specserve.models.loader import ModelLoadError, load_model_weights
 
 Q = gguf.GGMLQuantizationType
@@ -173,8 +176,10 @@ def test_cache_is_reused_keyed_by_file_and_cast(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"
     write_gguf(path, "llama", hf_weights(np.random.default_rng(2)), Q.Q8_0)
+    _, fresh = load_gguf(str(path), use_cache=False)
     config, first = load_gguf(str(path))
     assert len(list((tmp_path / "cache").rglob("model.safetensors"))) == 1
+    assert sorted(first) == sorted(fresh) and all(torch.equal(first[k], fresh[k]) for k in fresh)
     cached_config, again = load_gguf(str(path))
     assert cached_config == config
     assert all(torch.equal(first[k], again[k]) for k in first)
@@ -183,6 +188,44 @@ def test_cache_is_reused_keyed_by_file_and_cast(tmp_path, monkeypatch):
     write_gguf(path, "llama", hf_weights(np.random.default_rng(3)), Q.Q8_0)  # new content -> new key
     _, changed = load_gguf(str(path))
     assert not torch.equal(changed["model.norm.weight"], first["model.norm.weight"])
+
+
+def _blocks_equal(a, b) -> bool:
+    return (isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight) and torch.equal(a.packed, b.packed)
+            and (a.format, a.group, a.shape, a.qtype) == (b.format, b.group, b.shape, b.qtype))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.F16])
+def test_cache_keeps_the_blocks_and_reads_them_unmapped(tmp_path, monkeypatch, qtype):
+    """The cache written a tensor at a time holds the in-memory conversion's blocks; its state dict reads each
+    tensor into memory of its own when asked (the file is not left mapped), the same object while it lives."""
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "llama", hf_weights(np.random.default_rng(4)), qtype)
+    _, fresh = load_gguf(str(path), use_cache=False, keep_quantized=True)
+    for _ in range(2):  # converted into the cache, then read back from it
+        _, cached = load_gguf(str(path), keep_quantized=True)
+        assert isinstance(cached, CachedTensors) and sorted(cached) == sorted(fresh)
+        for name, value in fresh.items():
+            assert (_blocks_equal(cached[name], value) if isinstance(value, QuantizedWeight)
+                    else torch.equal(cached[name], value)), name
+    embed = cached["model.embed_tokens.weight"]
+    assert cached["model.embed_tokens.weight"] is embed
+    cache_file = str(next((tmp_path / "cache").rglob("model.safetensors")))
+    assert cache_file not in Path("/proc/self/maps").read_text()
+
+
+def test_damaged_cache_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "llama", hf_weights(np.random.default_rng(6)), Q.Q8_0)
+    _, first = load_gguf(str(path))
+    cache_file = next((tmp_path / "cache").rglob("model.safetensors"))
+    whole = cache_file.read_bytes()
+    cache_file.write_bytes(whole[:-100])  # cut short
+    _, again = load_gguf(str(path))
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert cache_file.read_bytes() == whole  # written again
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.98])

@@ -248,10 +248,10 @@ def _build_prefill(i, starts, query_lens, context_lens, block_tables, block_size
 
 def kv_caches(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (key, value) pair of zeroed caches per layer for `shape` = [num_blocks, block_size, Hkv, D], on huge
-    pages where available, each indexed [num_blocks, block_size, Hkv, R]: R = D, or for dtype torch.int8 D + 4,
-    each row's int8 numbers and then its scale's bytes (kv_cache.py). Values are stored in that order; keys as
-    [num_blocks, Hkv, R, block_size] (the tensor is a permuted view of that), so the C kernel reads a block's
-    16 keys as one vector per dimension."""
+    pages where available, each indexed [num_blocks, block_size, Hkv, R]: R = D, or for dtype torch.int8
+    D + 4 * ceil(D / 32), each row's int8 numbers and then its scales' bytes (kv_cache.py). Values are stored in
+    that order; keys as [num_blocks, Hkv, R, block_size] (the tensor is a permuted view of that), so the C
+    kernel reads a block's 16 keys as one vector per dimension."""
     num_blocks, block_size, num_kv_heads, head_dim = shape
     row = row_width(head_dim, dtype)
     stored = (num_blocks, num_kv_heads, row, block_size)

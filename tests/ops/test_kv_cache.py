@@ -18,13 +18,23 @@ PATHS = [False, pytest.param(True, marks=requires_c_kernels)]
 BLOCK_SIZE, NUM_BLOCKS, H, HKV = 16, 128, 6, 2
 
 
-def test_int8_round_trip_is_within_half_a_step_of_each_row():
-    x = torch.randn(50, 3, 64) * torch.logspace(-3, 2, 50)[:, None, None]
+@pytest.mark.parametrize("head_dim", [64, 80, 16])
+def test_int8_round_trip_is_within_half_a_step_of_each_group(head_dim):
+    """A scale per 32 numbers (80: groups of 32, 32 and 16; 16: one group): each group's largest |x| is stored as
+    +-127, and every number comes back within half its group's step."""
+    x = torch.randn(50, 3, head_dim) * torch.logspace(-3, 2, 50)[:, None, None]
+    x[:, :, :16] *= 8  # groups of different magnitudes within a row
     q, scale = quantize_int8(x)
-    back = decode(encode(x, torch.int8), 64, torch.float32)
-    assert q.abs().max() <= 127 and torch.equal(q.abs().amax(-1), torch.full_like(scale, 127, dtype=torch.int8))
-    assert ((back - x).abs() <= scale[..., None] / 2 * (1 + 1e-6)).all()
-    torch.testing.assert_close(back, q.float() * scale[..., None], rtol=0, atol=0)
+    groups = -(-head_dim // 32)
+    assert scale.shape == (50, 3, groups)
+    back = decode(encode(x, torch.int8), head_dim, torch.float32)
+    per_number = scale.repeat_interleave(32, dim=-1)[..., :head_dim]
+    assert q.abs().max() <= 127
+    for g in range(groups):
+        assert torch.equal(q[..., 32 * g:32 * g + 32].abs().amax(-1), torch.full_like(scale[..., g], 127,
+                                                                                      dtype=torch.int8))
+    assert ((back - x).abs() <= per_number / 2 * (1 + 1e-6)).all()
+    torch.testing.assert_close(back, q.float() * per_number, rtol=0, atol=0)
 
 
 def test_bfloat16_round_trip_is_within_half_an_ulp():
@@ -42,7 +52,8 @@ def test_an_all_zero_row_stays_zero():
 
 def test_rows_take_fewer_bytes_than_fp32():
     assert row_bytes(64, torch.float32) == 256 and row_bytes(64, torch.bfloat16) == 128
-    assert row_bytes(64, torch.int8) == 68 and row_width(64, torch.int8) == 68
+    assert row_bytes(64, torch.int8) == 72 and row_width(64, torch.int8) == 72
+    assert row_bytes(128, torch.int8) == 144 and row_width(80, torch.int8) == 80 + 12
 
 
 @pytest.mark.parametrize("bad", ["fp8", "float16", "", "INT8"])
@@ -61,13 +72,15 @@ def _c_store(k_cache, v_cache, slot, key, value):
 
 @requires_c_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_c_writes_the_bits_the_pytorch_path_writes(dtype):
-    shape = (4, BLOCK_SIZE, HKV, 32)
+@pytest.mark.parametrize("head_dim", [32, 80])  # int8: one scale a row; three, the last of 16 numbers
+def test_c_writes_the_bits_the_pytorch_path_writes(dtype, head_dim):
+    shape = (4, BLOCK_SIZE, HKV, head_dim)
     (k_torch, v_torch), = kv_caches(shape, dtype, 1)
     (k_c, v_c), = kv_caches(shape, dtype, 1)
     g = torch.Generator().manual_seed(3)
-    k = torch.randn(20, HKV, 32, generator=g) * 3
-    v = torch.randn(20, HKV, 32, generator=g)
+    k = torch.randn(20, HKV, head_dim, generator=g) * 3
+    v = torch.randn(20, HKV, head_dim, generator=g)
+    k[:, :, :8] *= 10  # groups of different magnitudes
     k[5] = 0.0  # an all-zero row
     slots = torch.randperm(4 * BLOCK_SIZE, generator=g)[:20]
     write_kv(k_torch, v_torch, k, v, slots)
@@ -134,7 +147,8 @@ CASES = [([1, 3, 1], [40, 19, 200]), ([20, 1], [20, 150]), ([5], [300])]  # deco
 @pytest.mark.parametrize("use_kernel", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("query_lens,context_lens", CASES)
-@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (32, 16), (48, 16), (64, 4)])  # vector, scalar paths
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (32, 16), (128, 16), (16, 16), (48, 16), (80, 16),
+                                                 (64, 4)])  # vector paths, then scalar ones (int8 at 48 and 80)
 def test_attention_matches_float64_over_the_dequantized_cache(dtype, use_kernel, query_lens, context_lens, head_dim,
                                                               block_size):
     filled = _Filled(dtype, query_lens, context_lens, head_dim, block_size)

@@ -17,7 +17,8 @@
  *   k cache      [num_blocks, num_kv_heads, row, block_size]: each block's keys transposed, so the
  *                16 keys of a block are one vector per dimension (see partial_tile_vec, pass 1)
  *   v cache      [num_blocks, block_size, num_kv_heads, row]
- *                (row = head_dim, or head_dim + 4 for int8: the numbers, then their scale's bytes)
+ *                (row = head_dim, or for int8 head_dim + 4 per 32 numbers: the numbers, then their
+ *                scales' bytes)
  *   block_table  [num_seqs, table_width] int64
  *   query_start, query_len, context_len  [num_seqs] int64
  * Query j of request s sits at absolute position p = context_len - query_len + j and attends to keys
@@ -62,10 +63,11 @@ static void block_floats(const void *k_cache, const void *v_cache, int64_t kv, i
         return;
     }
     for (int64_t t = 0; t < block_size; t++) {
-        const float s = kv == KV_I8 ? kv_scale((const int8_t *)kp + t + head_dim * block_size, block_size) : 1.0f;
-        for (int64_t d = 0; d < head_dim; d++) kbuf[d * block_size + t] = kv_load(kp + t * esz, d, block_size, kv) * s;
-        kv_decode_row(vbuf + t * head_dim, vp + t * token_stride * esz, head_dim, 1, kv);
+        kv_decode_row(vbuf, kp + t * esz, head_dim, block_size, kv); /* slot t's key, then transposed */
+        for (int64_t d = 0; d < head_dim; d++) kbuf[d * block_size + t] = vbuf[d];
     }
+    for (int64_t t = 0; t < block_size; t++)
+        kv_decode_row(vbuf + t * head_dim, vp + t * token_stride * esz, head_dim, 1, kv);
     *kb = kbuf, *vb = vbuf, *vstride = head_dim;
 }
 
@@ -177,19 +179,12 @@ static inline vf load_kv(const char *p, const int KV) {
     return load_vf((const float *)p);
 }
 
-/* An int8 key block's 16 scales, from the 64 bytes after its rows: byte j of slot t's scale is p[16 * j + t]. */
+/* An int8 key block's 16 scales of one group, from the 64 bytes at p: byte j of slot t's scale is p[16 * j + t]. */
 static inline vf key_scales(const char *p) {
     vbytes b;
     memcpy(&b, p, sizeof b);
     const vbytes order = {0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59, 12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
     return (vf)__builtin_shuffle(b, order);
-}
-
-/* An int8 value block's 16 scales: slot t's at p + t * token_bytes. */
-static inline vf value_scales(const char *p, int64_t token_bytes) {
-    float s[16];
-    for (int t = 0; t < 16; t++) memcpy(s + t, p + t * token_bytes, sizeof(float));
-    return load_vf(s);
 }
 
 static inline vf vmax(vf a, vf b) {
@@ -280,10 +275,10 @@ static inline void prefetch_keys(const char *block, int64_t h0, int64_t h1, int 
     }
 
 /* Scores of `rows` rows for one block's 16 keys (stored [dim][16]): out[r * CHUNK_KEYS + t] =
- * sum_d qs[r * dim + d] * kb[d * 16 + t], summed in four chains (d mod 4) then (c0 + c1) + (c2 + c3); for int8
- * keys, times their scales ks. */
+ * sum_d qs[r * dim + d] * kb[d * 16 + t], summed in four chains (d mod 4) then (c0 + c1) + (c2 + c3); int8
+ * keys times their group's scales ks[d / KV_GROUP] as they are loaded. */
 static inline __attribute__((always_inline)) void qk_rows(const char *kb, const float *qs, float *out,
-                                                          const int rows, const vf ks, const int NC, const int KV) {
+                                                          const int rows, const vf *ks, const int NC, const int KV) {
     const int dim = 16 * NC, esz = KV == KV_F32 ? 4 : KV == KV_BF16 ? 2 : 1;
     vf a[GROUP_ROWS][4];
 #pragma GCC unroll 8
@@ -294,22 +289,22 @@ static inline __attribute__((always_inline)) void qk_rows(const char *kb, const 
     for (int d = 0; d < dim; d += 4) {
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
-            const vf kv = load_kv(kb + (d + j) * 16 * esz, KV);
+            vf kv = load_kv(kb + (d + j) * 16 * esz, KV);
+            if (KV == KV_I8) kv *= ks[(d + j) / KV_GROUP];
 #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) a[r][j] += qs[r * dim + d + j] * kv;
         }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < rows; r++) {
-        vf s = (a[r][0] + a[r][1]) + (a[r][2] + a[r][3]);
-        if (KV == KV_I8) s *= ks;
+        const vf s = (a[r][0] + a[r][1]) + (a[r][2] + a[r][3]);
         memcpy(out + r * CHUNK_KEYS, &s, sizeof s);
     }
 }
 
 /* acc[row] += sum over keys t in [t0, t1) of p[row][t] * v[t], t in order, one FMA per 16 floats per key:
  * rows at acc + row * acc_stride with their probabilities at p + row * CHUNK_KEYS; value t at
- * vb + t * token_bytes. */
+ * vb + t * token_bytes (int8: times its groups' scales as it is loaded). */
 static inline __attribute__((always_inline)) void pv_rows(const char *vb, int64_t token_bytes, const float *p,
                                                           float *acc, int64_t acc_stride, const int rows, int64_t t0,
                                                           int64_t t1, const int NC, const int KV) {
@@ -323,7 +318,14 @@ static inline __attribute__((always_inline)) void pv_rows(const char *vb, int64_
         const char *vt = vb + t * token_bytes;
         vf v[16];
 #pragma GCC unroll 16
-        for (int c = 0; c < NC; c++) v[c] = load_kv(vt + 16 * c * esz, KV);
+        for (int c = 0; c < NC; c++) {
+            v[c] = load_kv(vt + 16 * c * esz, KV);
+            if (KV == KV_I8) {
+                float sg;
+                memcpy(&sg, vt + 16 * NC + KV_SCALE_BYTES * (16 * c / KV_GROUP), sizeof sg);
+                v[c] *= sg;
+            }
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const float pr = p[r * CHUNK_KEYS + t];
@@ -344,8 +346,8 @@ static inline __attribute__((always_inline)) void pv_rows(const char *vb, int64_
  * L1 for the other rows, and the rows' dependency chains (dot products, max, exp, sums) are independent
  * of each other and overlap in the core: 1. every row's scores for every key, 2. per row the max over
  * the chunk, exp and the sum, 3. the probability-weighted values. A row that sees none of these keys is
- * left with l = 0. Caches stored as KV (kv_format.h): bf16 and int8 numbers become floats in registers, an
- * int8 key's scale multiplies its scores and an int8 value's scale its probabilities (after their sum l). */
+ * left with l = 0. Caches stored as KV (kv_format.h): bf16 and int8 numbers become floats in registers, int8
+ * ones times their group's scale as they are loaded. */
 static inline __attribute__((always_inline)) void partial_tile_vec(
         const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t q_start,
         int64_t q_len, int64_t c_len, int64_t r0, int64_t r1, int64_t b0, int64_t b1,
@@ -404,7 +406,10 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
         const int64_t base = b * 16;
         if (b + 1 < b1) prefetch_keys(k_bytes + table[b + 1] * block_bytes, h0, h1, 1);
         const char *kb = k_bytes + table[b] * block_bytes + 16 * hoff[0];
-        const vf ks = KV == KV_I8 ? key_scales(kb + 16 * dim) : (vf){0};
+        vf ks[MAX_HEAD_DIM / KV_GROUP]; /* int8: each group's 16 key scales */
+        if (KV == KV_I8)
+            for (int64_t g = 0; g < (dim + KV_GROUP - 1) / KV_GROUP; g++)
+                ks[g] = key_scales(kb + 16 * (dim + KV_SCALE_BYTES * g));
         for (int64_t g0 = r0; g0 < r1; g0 += GROUP_ROWS) {
             const int64_t g1 = g0 + GROUP_ROWS < r1 ? g0 + GROUP_ROWS : r1;
             float *sg = sc + (g0 - r0) * CHUNK_KEYS + (b - b0) * 16;
@@ -453,14 +458,6 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
         const int64_t base = b * 16;
         if (b + 1 < b1) prefetch_values(v_bytes + table[b + 1] * block_bytes, token_bytes, h0, h1, 1);
         const float *ps = sc + (b - b0) * 16;
-        if (KV == KV_I8) {
-            const vf vs = value_scales(v_bytes + table[b] * block_bytes + hoff[0] + dim, token_bytes);
-            for (int64_t r = r0; r < r1; r++) {
-                float *pr = sc + (r - r0) * CHUNK_KEYS + (b - b0) * 16;
-                const vf p = load_vf(pr) * vs;
-                memcpy(pr, &p, sizeof p);
-            }
-        }
         for (int64_t g0 = r0; g0 < r1; g0 += group_rows) {
             const int64_t g1 = g0 + group_rows < r1 ? g0 + group_rows : r1;
             const char *vb = v_bytes + table[b] * block_bytes + hoff[g0 - r0];

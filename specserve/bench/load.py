@@ -82,7 +82,9 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--plot", default=DEFAULT_PLOT,
                    help="PNG to draw, '' for none; needs matplotlib, specserve[bench] (default: %(default)s)")
     p.add_argument("--replot", metavar="JSON", default=None,
-                   help="only redraw --plot from a JSON file this command wrote; runs no model")
+                   help="only redraw --plot from a JSON file this command wrote, or from several (comma-separated: "
+                        "runs with different --kv-cache-dtype, say), drawn together as total tok/s and "
+                        "inter-token latency per method and KV dtype; runs no model")
     add_engine_args(p, speculation_flags=False)
     p.set_defaults(max_num_seqs=None, func=cmd_load)
 
@@ -123,17 +125,20 @@ def check_args(args: argparse.Namespace) -> None:
 
 def cmd_load(args: argparse.Namespace) -> int:
     if args.replot:
-        if not Path(args.replot).is_file():
-            raise ValueError(f"--replot: no such file {args.replot}")
-        return 0 if save_plot(json.loads(Path(args.replot).read_text()), args.plot or DEFAULT_PLOT) else 1
+        paths = [p for p in args.replot.split(",") if p]
+        missing = [p for p in paths if not Path(p).is_file()]
+        if missing or not paths:
+            raise ValueError(f"--replot: no such file {', '.join(missing) or repr(args.replot)}")
+        reports = [json.loads(Path(p).read_text()) for p in paths]
+        return 0 if save_plot(reports[0] if len(reports) == 1 else reports, args.plot or DEFAULT_PLOT) else 1
     check_args(args)
     configs = spec_configs(args)
     levels = parse_concurrency(args.concurrency)
     env = environment_info()
     print(header_line(args, env, configs, levels), flush=True)
-    prompts, runs = run_rounds(args, configs, levels, read_specbench(args.dataset))
+    prompts, runs, kv_cache = run_rounds(args, configs, levels, read_specbench(args.dataset))
     env["load_average_1m_end"] = environment_info().get("load_average_1m")  # the machine may be shared
-    report = build_report(args, env, configs, prompts, runs)
+    report = build_report(args, env, configs, prompts, runs, kv_cache)
     print()
     print(format_report(report))
     print(f"\nwrote {write_json(args.output_json, report)}")
@@ -159,16 +164,18 @@ def _log(message: str) -> None:
 
 
 def run_rounds(args: argparse.Namespace, configs: dict[str, dict], levels: list[int], rows: list[dict]
-               ) -> tuple[dict[int, list[BenchPrompt]], list[BatchRun]]:
+               ) -> tuple[dict[int, list[BenchPrompt]], list[BatchRun], dict]:
     """Every round loads every engine up front, so a machine that slows down mid-run slows all methods
-    alike; a later round reloads them, since a method may keep earlier outputs (suffix's cache)."""
+    alike; a later round reloads them, since a method may keep earlier outputs (suffix's cache). Returns the
+    prompts by level, the runs, and the plain engine's KV cache (kv_cache_info)."""
     methods = [PLAIN, *configs]
-    by_level, runs = {}, []
+    by_level, runs, kv_cache = {}, [], {}
     for r in range(args.repeats):
         engines = {m: load_engine(args, m, configs.get(m), max(levels)) for m in methods}
         if r == 0:
             by_level = prompts_by_level(engines[PLAIN].get_tokenizer(), rows, levels, args.requests_per_slot,
                                         args.min_requests)
+            kv_cache = kv_cache_info(engines[PLAIN].llm_engine)
         spec = methods[1:]
         order = spec[r % len(spec):] + spec[:r % len(spec)] if spec else []
         for n in levels:
@@ -184,7 +191,13 @@ def run_rounds(args: argparse.Namespace, configs: dict[str, dict], levels: list[
                 _log(f"round {r + 1}, {n} in flight, {method}: {runs[-1].tokens_per_s:.1f} tok/s")
         del engines
         gc.collect()
-    return by_level, runs
+    return by_level, runs, kv_cache
+
+
+def kv_cache_info(engine) -> dict:
+    """An engine's KV cache: its dtype, bytes a token (the target's and any drafter's), blocks and their size."""
+    return {"kv_cache_dtype": engine.config.kv_cache_dtype, "bytes_per_token": engine.kv_bytes_per_token,
+            "num_blocks": engine.kv_cache_manager.num_blocks, "block_size": engine.config.block_size}
 
 
 def interleaved(methods: list[str]) -> list[str]:
@@ -270,6 +283,7 @@ class Batch:
 
         self.engine, self.method, self.own_clock, self.clock = llm.llm_engine, method, own_clock, 0.0
         self.engine.kv_cache_manager.reset_prefix_cache()  # every run prefills its prompts in full
+        self.preemptions_before = self.engine.scheduler.num_preemptions
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         self.traces = {f"load-{tag}-{i}": RequestTrace(p) for i, p in enumerate(prompts)}
         self.waiting = list(self.traces.items())[::-1]
@@ -297,11 +311,14 @@ class Batch:
         if not self.engine.has_unfinished_requests():
             runs = self._threads().runs
             self.run.steps_by_threads = {t: n - self.thread_runs.get(t, 0) for t, n in sorted(runs.items())}
+            self.run.num_preemptions = self.engine.scheduler.num_preemptions - self.preemptions_before
             return False
         start = time.perf_counter()
         outputs = self.engine.step()
         self.run.num_steps += 1
         self.clock += time.perf_counter() - start
+        in_use = self.engine.scheduler.get_stats().kv_cache_blocks_in_use
+        self.run.peak_kv_blocks_in_use = max(self.run.peak_kv_blocks_in_use, in_use)
         now, finished = self._now(), 0
         for out in outputs:
             if out.error:
@@ -316,12 +333,13 @@ class Batch:
         return True
 
 
-def save_plot(report: dict, path: str) -> bool:
-    """Draw the figure (specserve.bench.load_plot), or say why not when matplotlib is missing."""
+def save_plot(report: dict | list[dict], path: str) -> bool:
+    """Draw the figure of one report, or of several together (specserve.bench.load_plot), or say why not when
+    matplotlib is missing."""
     if importlib.util.find_spec("matplotlib") is None:
         print(f"note: matplotlib is not installed, so {path} was not drawn (pip install 'specserve[bench]')")
         return False
-    from specserve.bench.load_plot import plot_load
+    from specserve.bench.load_plot import plot_load, plot_loads
 
-    print(f"wrote {plot_load(report, path)}")
+    print(f"wrote {plot_load(report, path) if isinstance(report, dict) else plot_loads(report, path)}")
     return True

@@ -53,6 +53,8 @@ class BatchRun:
     traces: list[RequestTrace]
     position: int | None = None  # order among the runs of its round and level (plain runs between methods)
     steps_by_threads: dict[int, int] = field(default_factory=dict)  # the runner's steps by thread count
+    peak_kv_blocks_in_use: int = 0  # the most KV-cache blocks requests held after any step of the run
+    num_preemptions: int = 0  # requests preempted for lack of KV blocks during the run
 
     @property
     def wall_s(self) -> float:
@@ -94,7 +96,8 @@ def summarize_run(run: BatchRun) -> dict:
             "drafted_step_share": safe_div(drafts, decode_steps) if run.method != PLAIN else None,
             "num_drafts": drafts, "num_draft_tokens": sum(t.num_draft_tokens for t in run.traces),
             "num_accepted_tokens": sum(t.num_accepted_tokens for t in run.traces),
-            "steps_by_threads": {str(t): n for t, n in run.steps_by_threads.items()}}
+            "steps_by_threads": {str(t): n for t, n in run.steps_by_threads.items()},
+            "peak_kv_blocks_in_use": run.peak_kv_blocks_in_use, "num_preemptions": run.num_preemptions}
 
 
 def median_rows(runs: list[BatchRun]) -> list[dict]:
@@ -188,10 +191,12 @@ def greedy_mismatches(runs: list[BatchRun]) -> list[dict]:
 
 
 def build_report(args: argparse.Namespace, env: dict, configs: dict[str, dict],
-                 prompts: dict[int, list[BenchPrompt]], runs: list[BatchRun]) -> dict:
+                 prompts: dict[int, list[BenchPrompt]], runs: list[BatchRun], kv_cache: dict | None = None) -> dict:
+    """kv_cache: the plain engine's KV cache (kv_cache_info), or None when not known."""
     rows = median_rows(runs)
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     return {"benchmark": "load", "settings": settings, "environment": env, "speculative_configs": configs,
+            "kv_cache": kv_cache,
             "methods": [PLAIN, *configs], "concurrency": sorted(prompts),
             "definitions": {"wall_s": "first request added to last token delivered", "itl": ITL_DEFINITION,
                             "ttft": "first request added to the request's first token",
@@ -201,7 +206,10 @@ def build_report(args: argparse.Namespace, env: dict, configs: dict[str, dict],
                             "steps_by_threads": "the target's forward passes in the run by thread count (the "
                                                 "runner's thread policy picks one or all threads per step size)",
                             "plain_vs_plain": "noise floor: plain runs between methods against the plain runs "
-                                              "two places away, median over rounds per place"},
+                                              "two places away, median over rounds per place",
+                            "peak_kv_blocks_in_use": "the most KV-cache blocks referenced by requests after any "
+                                                     "step of the run",
+                            "num_preemptions": "requests preempted for lack of KV blocks during the run"},
             "prompts": {n: prompts_summary(p) for n, p in prompts.items()}, "results": rows,
             "ratio_table": ratio_table(rows, plain_vs_plain(runs)),
             "greedy_compared": sum(len(r.traces) for r in runs if r.method != PLAIN),
@@ -225,6 +233,13 @@ def format_report(report: dict) -> str:
                           throughput), "",
              "Inter-token latency p50 / p99 ms (a delivery's gap split equally among its tokens):",
              format_table(["concurrency", *methods], itl)]
+    kv = report.get("kv_cache")
+    if kv:
+        blocks = [[n, *[f"{cell[n, m]['peak_kv_blocks_in_use']} ({cell[n, m]['num_preemptions']})" for m in methods]]
+                  for n in levels]
+        lines += ["", f"KV cache: {kv['kv_cache_dtype']}, {kv['bytes_per_token']:,.0f} bytes a token (plain's), "
+                      f"{kv['num_blocks']} blocks of {kv['block_size']} tokens; peak blocks in use (preemptions):",
+                  format_table(["concurrency", *methods], blocks)]
     if spec:
         lines += ["", "Mean acceptance length (share of decode steps that verified a draft):",
                   format_table(["concurrency", *spec], accept), "",

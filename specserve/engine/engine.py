@@ -115,6 +115,7 @@ class LLMEngine:
 
     def _num_kv_blocks(self) -> int:
         per_block = self.runner.kv_bytes_per_block()  # the target's KV and the drafter's
+        self.kv_bytes_per_token = per_block / self.config.block_size
         budget = self._full_kv_budget()
         num_blocks = self.config.num_kv_blocks or budget // per_block
         needed = -(-self.max_model_len // self.config.block_size)

@@ -175,6 +175,11 @@ class KVCacheManager:
         """Fraction of blocks referenced by some request."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by some request (not free, nor only held by the prefix cache)."""
+        return self.pool.num_blocks - self.pool.num_free_blocks
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table; blocks freed past the window keep their (stale) ids, never read."""
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
@@ -354,6 +359,11 @@ class HybridKVCacheManager:
     @property
     def usage(self) -> float:
         return max(self.full.usage, self.window.usage)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """The full-attention pool's (block numbers count tokens there; the window pool's are recycled)."""
+        return self.full.num_used_blocks
 
     def get_block_ids(self, request_id: str) -> list[tuple[int, int]]:
         return list(zip(self.full.get_block_ids(request_id), self.window.get_block_ids(request_id)))

@@ -36,6 +36,8 @@ class SchedulerStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+    kv_cache_blocks_in_use: int = 0
+    kv_cache_blocks: int = 0
 
 
 class Scheduler:
@@ -114,7 +116,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def get_stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions)
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions,
+                              self.kv.num_used_blocks, self.kv.num_blocks)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

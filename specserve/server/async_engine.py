@@ -60,6 +60,19 @@ class EngineSnapshot:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     metrics: object = None  # EngineMetrics copy (None before the first publish)
+    kv_cache_blocks_in_use: int = 0
+    kv_cache_blocks: int = 0
+    kv_cache_bytes_per_token: float = 0.0  # the target's KV and its drafter's, in the cache's dtype
+    kv_cache_dtype: str = ""
+
+    @classmethod
+    def of(cls, engine) -> "EngineSnapshot":
+        """An LLMEngine's load and a copy of its counters, now."""
+        stats = engine.scheduler.get_stats()
+        m = engine.get_metrics()
+        return cls(stats.num_running, stats.num_waiting, stats.kv_cache_usage,
+                   replace(m, accepted_per_position=list(m.accepted_per_position)), stats.kv_cache_blocks_in_use,
+                   stats.kv_cache_blocks, engine.kv_bytes_per_token, engine.config.kv_cache_dtype)
 
 
 class RequestStream:
@@ -346,10 +359,7 @@ class AsyncLLM(OutputStreams):
                     self._num_pending_adds -= 1
 
     def _publish_snapshot(self) -> None:
-        stats = self.engine.scheduler.get_stats()
-        m = self.engine.get_metrics()
-        metrics = replace(m, accepted_per_position=list(m.accepted_per_position))
-        self.snapshot = EngineSnapshot(stats.num_running, stats.num_waiting, stats.kv_cache_usage, metrics)
+        self.snapshot = EngineSnapshot.of(self.engine)
 
 
 def _is_final(item) -> bool:

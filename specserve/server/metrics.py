@@ -3,7 +3,7 @@ per output, engine load and token/speculation counters read from the engine thre
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -182,6 +182,14 @@ def _snapshot_families(snap, prefix: str, extra_labels: list[str], values: list[
                  labels)
     yield _gauge(prefix + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
                  snap.kv_cache_usage, values, labels)
+    yield _gauge(prefix + "kv_cache_blocks_in_use", "KV-cache blocks referenced by requests.",
+                 snap.kv_cache_blocks_in_use, values, labels)
+    yield _gauge(prefix + "kv_cache_blocks", "KV-cache blocks in the pool.", snap.kv_cache_blocks, values, labels)
+    yield _gauge(prefix + "kv_cache_bytes_per_token", "Bytes of KV cache one token takes (the target's and its "
+                 "drafter's, in kv_cache_dtype).", snap.kv_cache_bytes_per_token, values, labels)
+    if not extra_labels and snap.kv_cache_dtype:
+        yield _gauge("cache_config_info", "The KV cache's configuration, as labels.", 1,
+                     [*values, snap.kv_cache_dtype], ["model_name", "kv_cache_dtype"])
     m = snap.metrics
     if m is None and not extra_labels:
         return  # the engine has not published its counters yet
@@ -198,8 +206,9 @@ def _snapshot_families(snap, prefix: str, extra_labels: list[str], values: list[
 
 
 def _dead(snap):
-    """A dead replica's snapshot as exported: no load, its counters as they last were."""
-    return type(snap)(0, 0, 0.0, snap.metrics)
+    """A dead replica's snapshot as exported: no load and no blocks, its counters as they last were."""
+    return replace(snap, num_running=0, num_waiting=0, kv_cache_usage=0.0, kv_cache_blocks_in_use=0,
+                   kv_cache_blocks=0)
 
 
 def _gauge(name: str, doc: str, value: float, values: list[str], labels: list[str] | None = None

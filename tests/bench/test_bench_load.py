@@ -219,6 +219,26 @@ def test_replot_redraws_the_png_from_the_json(tmp_path, capsys):
     assert plot_load(json.loads(path.read_text()), tmp_path / "sub" / "direct.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
+def test_replot_draws_several_runs_together(tmp_path, capsys, monkeypatch):
+    """Runs with different KV dtypes on one figure: each method of each run its own line, named by its dtype."""
+    from specserve.bench import load_plot
+
+    path = _synthetic_report(tmp_path)
+    other = tmp_path / "int8.json"
+    report = json.loads(path.read_text())
+    other.write_text(json.dumps({**report, "kv_cache": {"kv_cache_dtype": "int8"}}))
+    labels = []
+    real = load_plot._finish
+    monkeypatch.setattr(load_plot, "_finish", lambda fig, axes, *a: labels.append(
+        [line.get_label() for line in axes[0].get_lines()]) or real(fig, axes, *a))
+    out = tmp_path / "both.png"
+    assert main(["bench", "load", "--replot", f"{path},{other}", "--plot", str(out)]) == 0
+    assert out.read_bytes().startswith(PNG_SIGNATURE)
+    assert labels == [["plain, KV auto", "ngram, KV auto", "plain, KV int8", "ngram, KV int8"]]
+    assert main(["bench", "load", "--replot", f"{path},{tmp_path / 'nope.json'}"]) == 2
+    assert "nope.json" in capsys.readouterr().err
+
+
 def test_no_matplotlib_skips_the_plot_with_a_note(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert save_plot({}, str(tmp_path / "x.png")) is False
@@ -248,8 +268,12 @@ def test_end_to_end_on_the_default_model(tmp_path, capsys):
     assert len(ids) == len(set(ids)) == 8  # each level its own prompts
     assert "itl" in report["definitions"] and report["environment"]["torch"]
     assert out_png.read_bytes().startswith(PNG_SIGNATURE)
+    kv = report["kv_cache"]
+    assert kv["kv_cache_dtype"] == "auto" and kv["bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2, fp32
+    assert all(0 < row["peak_kv_blocks_in_use"] <= kv["num_blocks"] and row["num_preemptions"] == 0
+               for row in rows.values())
     out = capsys.readouterr().out
-    assert "ngram / plain" in out and "greedy check: 16/16" in out
+    assert "ngram / plain" in out and "greedy check: 16/16" in out and "peak blocks in use (preemptions)" in out
 
 
 class FakeEngine:
@@ -260,6 +284,9 @@ class FakeEngine:
         self.running, self.peak, self.kv_cache_manager = {}, 0, SimpleNamespace(reset_prefix_cache=lambda: None)
         self.clock, self.step_seconds = clock, step_seconds
         self.runner = SimpleNamespace(thread_policy=SimpleNamespace(runs={1: 5}))  # 5 before the run
+        # a block per running request; 3 preemptions before the run and one during it
+        self.scheduler = SimpleNamespace(num_preemptions=3, get_stats=lambda: SimpleNamespace(
+            kv_cache_blocks_in_use=len(self.running)))
 
     def add_request(self, request_id, prompt, params):
         self.running[request_id] = []
@@ -271,6 +298,7 @@ class FakeEngine:
     def step(self):
         if self.clock is not None:
             self.clock[0] += self.step_seconds
+        self.scheduler.num_preemptions = 4
         runs = self.runner.thread_policy.runs
         runs[2] = runs.get(2, 0) + 1
         outs = []
@@ -295,6 +323,7 @@ def test_run_batch_keeps_n_requests_in_flight_until_all_are_done():
     prompts = [BenchPrompt(i, "qa", "t", [1, 2]) for i in range(6)]
     run = run_batch(SimpleNamespace(llm_engine=engine), "plain", prompts, 3, "t", concurrency=2)
     assert engine.peak == 2 and run.num_steps == 9  # three rounds of two
+    assert (run.peak_kv_blocks_in_use, run.num_preemptions) == (2, 1)  # held after a step; during the run
     assert run.steps_by_threads == {1: 0, 2: 9}  # the run's own forward passes, by thread count
     assert summarize_run(run)["steps_by_threads"] == {"1": 0, "2": 9}
     assert all(len(t.token_ids) == 3 for t in run.traces) and run.concurrency == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 from specserve.engine.engine import EngineMetrics
 from specserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -36,6 +37,8 @@ class FakeEngine:
         self.gate.set()
         self.scheduler = self
         self.metrics = EngineMetrics()
+        self.config = SimpleNamespace(kv_cache_dtype="auto")
+        self.kv_bytes_per_token = 1024.0  # one block of 16 tokens a request, of 100
 
     def add_request(self, request_id, prompt, params, arrival_time=None, grammar=None) -> None:
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else [ord(c) for c in prompt]
@@ -87,7 +90,8 @@ class FakeEngine:
     # the scheduler's and engine's read-only views
     def get_stats(self) -> SchedulerStats:
         running = min(len(self.order), self.max_running)
-        return SchedulerStats(running, len(self.order) - running, kv_cache_usage=len(self.order) / 100)
+        return SchedulerStats(running, len(self.order) - running, kv_cache_usage=len(self.order) / 100,
+                              kv_cache_blocks_in_use=len(self.order), kv_cache_blocks=100)
 
     def get_metrics(self) -> EngineMetrics:
         return self.metrics
@@ -95,8 +99,6 @@ class FakeEngine:
 
 def build_fake_engine(config) -> FakeEngine:
     """An engine factory for replica processes: a FakeEngine sized by the replicas' config."""
-    from types import SimpleNamespace
-
     engine = FakeEngine(max_running=config.max_num_seqs)
     engine.max_model_len = config.max_model_len or 64
     engine.model = SimpleNamespace(config=SimpleNamespace(vocab_size=0x110000))

@@ -276,17 +276,35 @@ def test_invalid_json_and_client_error_class(server, client):
 
 def test_disconnect_mid_stream_aborts_and_frees_kv_blocks(server):
     idle = metric(scrape(server.url), "specserve:kv_cache_usage_perc")
+    idle_blocks = metric(scrape(server.url), "specserve:kv_cache_blocks_in_use")
     aborted = metric(scrape(server.url), "specserve:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in got)
-        assert metric(scrape(server.url), "specserve:kv_cache_usage_perc") > idle
+        busy = scrape(server.url)
+        assert metric(busy, "specserve:kv_cache_usage_perc") > idle
+        in_use, pool = metric(busy, "specserve:kv_cache_blocks_in_use"), metric(busy, "specserve:kv_cache_blocks")
+        assert in_use > idle_blocks and in_use / pool == pytest.approx(metric(busy, "specserve:kv_cache_usage_perc"))
     wait_for_metric(server.url, "specserve:request_success_total", lambda v: v == aborted + 1,
                     finished_reason="abort")
     wait_for_metric(server.url, "specserve:kv_cache_usage_perc", lambda v: v == idle)
+    wait_for_metric(server.url, "specserve:kv_cache_blocks_in_use", lambda v: v == idle_blocks)
     wait_for_metric(server.url, "specserve:num_requests_running", lambda v: v == 0)
+
+
+def test_metrics_report_the_kv_cache_configuration(server, reference):
+    """Bytes a token of KV takes (ngram drafts from no KV of its own: the target's, as the offline engine
+    without speculation has it), the pool's blocks, and the KV dtype as a label."""
+    samples = scrape(server.url)
+    engine = reference.llm_engine
+    config = engine.hf_config
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 4  # fp32
+    assert engine.kv_bytes_per_token == per_token
+    assert metric(samples, "specserve:kv_cache_bytes_per_token") == per_token
+    assert metric(samples, "specserve:kv_cache_blocks") > 0
+    assert metric(samples, "specserve:cache_config_info", kv_cache_dtype="auto") == 1
 
 
 def test_disconnect_while_waiting_for_whole_response_aborts(server):

@@ -200,14 +200,18 @@ class ReplicaClient(OutputStreams):
     @property
     def snapshot(self) -> EngineSnapshot:
         """All replicas together: running and waiting requests of the live ones, the mean of their KV-cache
-        usage (their caches are the same size), and the counters of every one (a dead replica's stay, so
-        counters never go backwards)."""
+        usage (their caches are the same size) and the sum of their blocks, and the counters of every one (a
+        dead replica's stay, so counters never go backwards)."""
         live = [r for r in self.replicas if r.alive]
         metrics = [r.snapshot.metrics for r in self.replicas if r.snapshot.metrics is not None]
+        reported = [r.snapshot for r in self.replicas if r.snapshot.kv_cache_blocks]
         return EngineSnapshot(
             sum(r.snapshot.num_running for r in live), sum(r.snapshot.num_waiting for r in live),
             sum(r.snapshot.kv_cache_usage for r in live) / len(live) if live else 0.0,
-            sum_metrics(metrics) if metrics else None)
+            sum_metrics(metrics) if metrics else None,
+            sum(r.snapshot.kv_cache_blocks_in_use for r in live), sum(r.snapshot.kv_cache_blocks for r in live),
+            reported[0].kv_cache_bytes_per_token if reported else 0.0,
+            reported[0].kv_cache_dtype if reported else "")
 
     def replica_states(self) -> list[dict]:
         """For /health: each replica's index, liveness, pid and host, requests in flight, why it stopped."""

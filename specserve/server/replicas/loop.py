@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import replace
 from typing import Callable
 
 from specserve.config import EngineConfig
@@ -119,7 +118,4 @@ class ReplicaLoop:
         self.request_ids.clear()
 
     def _snapshot(self) -> EngineSnapshot:
-        stats = self.engine.scheduler.get_stats()
-        m = self.engine.get_metrics()
-        metrics = replace(m, accepted_per_position=list(m.accepted_per_position))
-        return EngineSnapshot(stats.num_running, stats.num_waiting, stats.kv_cache_usage, metrics)
+        return EngineSnapshot.of(self.engine)

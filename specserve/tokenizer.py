@@ -101,7 +101,7 @@ class Tokenizer:
 
         Parsing the metadata takes seconds, so the result is cached next to the converted weights.
         """
-        from specserve.models.gguf_loader import gguf_cache_dir
+        from specserve.models.gguf_cache import gguf_cache_dir
 
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -378,7 +378,7 @@ def _read_tokenizer_cache(folder: Path) -> tuple[tokenizers.Tokenizer, dict] | N
 
 def _write_tokenizer_cache(folder: Path, backend: tokenizers.Tokenizer, meta: dict) -> None:
     """Store a built GGUF tokenizer; the meta file is written last and marks the entry complete."""
-    from specserve.models.gguf_loader import atomic_write
+    from specserve.models.gguf_cache import atomic_write
 
     try:
         atomic_write(folder / "tokenizer.json", lambda tmp: backend.save(tmp))

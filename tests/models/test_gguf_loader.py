@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.models.gguf_loader import CachedTensors, load_gguf, unpermute_rotary_rows
+from specserve.models.gguf_cache import CachedTensors
+from specserve.models.gguf_loader import load_gguf, unpermute_rotary_rows
 from specserve.models.gguf_quant import QuantizedWeight
 from specserve.models.loader import ModelLoadError, load_model_weights
 

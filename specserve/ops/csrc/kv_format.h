@@ -89,15 +89,17 @@ static inline float kv_load(const void *row, int64_t i, int64_t step, int64_t kv
     return (float)((const int8_t *)row)[i * step];
 }
 
-/* Element i's scale in an int8 row, its elements `step` elements apart. */
-static inline float kv_scale_of(const void *row, int64_t i, int64_t head_dim, int64_t step) {
-    return kv_scale((const int8_t *)row + (head_dim + KV_SCALE_BYTES * (i / KV_GROUP)) * step, step);
-}
-
 /* A stored row as head_dim floats (int8: q * its group's scale). */
 static inline void kv_decode_row(float *x, const void *row, int64_t head_dim, int64_t step, int64_t kv) {
-    for (int64_t i = 0; i < head_dim; i++)
-        x[i] = kv == KV_I8 ? kv_load(row, i, step, kv) * kv_scale_of(row, i, head_dim, step) : kv_load(row, i, step, kv);
+    if (kv != KV_I8) {
+        for (int64_t i = 0; i < head_dim; i++) x[i] = kv_load(row, i, step, kv);
+        return;
+    }
+    for (int64_t g0 = 0; g0 < head_dim; g0 += KV_GROUP) {
+        const int64_t g1 = g0 + KV_GROUP < head_dim ? g0 + KV_GROUP : head_dim;
+        const float s = kv_scale((const int8_t *)row + (head_dim + KV_SCALE_BYTES * (g0 / KV_GROUP)) * step, step);
+        for (int64_t i = g0; i < g1; i++) x[i] = kv_load(row, i, step, kv) * s;
+    }
 }
 
 #endif

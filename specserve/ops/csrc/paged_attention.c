@@ -408,7 +408,7 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
         const char *kb = k_bytes + table[b] * block_bytes + 16 * hoff[0];
         vf ks[MAX_HEAD_DIM / KV_GROUP]; /* int8: each group's 16 key scales */
         if (KV == KV_I8)
-            for (int64_t g = 0; g < (dim + KV_GROUP - 1) / KV_GROUP; g++)
+            for (int64_t g = 0; g < kv_groups(dim); g++)
                 ks[g] = key_scales(kb + 16 * (dim + KV_SCALE_BYTES * g));
         for (int64_t g0 = r0; g0 < r1; g0 += GROUP_ROWS) {
             const int64_t g1 = g0 + GROUP_ROWS < r1 ? g0 + GROUP_ROWS : r1;

@@ -148,9 +148,9 @@ static void attend_one(const float *q, float *out, const void *k_cache, const vo
 }
 
 /* ---- Vector path: block_size 16, head_dim = 16 * NC (NC <= 8, or 16); one (request, head) pair per work item --
- * GCC vector extensions (zmm on AVX-512, pairs of ymm on AVX2). A block's 16 keys are stored dimension by
- * dimension, so a row's 16 scores accumulate as one vector (a broadcast query element times one key vector
- * per dimension) and max, exp and sum run on whole vectors. */
+ * GCC vector extensions (zmm on AVX-512; without it the hot kernels run on ymm halves, attention_lanes8.h). A
+ * block's 16 keys are stored dimension by dimension, so a row's 16 scores accumulate as one vector (a broadcast
+ * query element times one key vector per dimension) and max, exp and sum run on whole vectors. */
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 
@@ -208,22 +208,25 @@ static inline float hmax(vf v) {
     return v[0];
 }
 
-/* exp_nonpositive on a vector; lanes below -87 (and -inf) give exactly 0. */
-static inline vf exp_vf(vf x) {
-    const vi keep = x >= -87.0f;
-    x = vmax(x, (vf){0} - 87.0f);
-    const vi ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi); /* x <= 0: rounds */
-    const vf n = __builtin_convertvector(ni, vf);
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const vf res = p * (vf)((ni + 127) << 23);
-    return (vf)((vi)res & keep);
-}
+/* exp_nonpositive on x, a vector of float lanes V with int lanes VI (VMAX their lane max), for both vector
+ * widths (attention_lanes8.h's too); lanes below -87 (and -inf) give exactly 0. */
+#define EXP_LANES(x, V, VI, VMAX)                                                                       \
+    ({                                                                                                   \
+        const VI keep_ = (x) >= -87.0f;                                                                  \
+        const V x_ = VMAX((x), (V){0} - 87.0f);                                                          \
+        const VI ni_ = __builtin_convertvector(x_ * 1.44269504088896341f - 0.5f, VI); /* x <= 0: rounds */ \
+        const V n_ = __builtin_convertvector(ni_, V);                                                    \
+        const V r_ = x_ - n_ * 0.693359375f + n_ * 2.12194440e-4f;                                       \
+        V p_ = r_ * 1.9875691500e-4f + 1.3981999507e-3f;                                                 \
+        p_ = p_ * r_ + 8.3334519073e-3f;                                                                 \
+        p_ = p_ * r_ + 4.1665795894e-2f;                                                                 \
+        p_ = p_ * r_ + 1.6666665459e-1f;                                                                 \
+        p_ = p_ * r_ + 5.0000001201e-1f;                                                                 \
+        p_ = p_ * r_ * r_ + r_ + 1.0f;                                                                   \
+        (V)((VI)(p_ * (V)((ni_ + 127) << 23)) & keep_);                                                  \
+    })
+
+static inline vf exp_vf(vf x) { return EXP_LANES(x, vf, vi, vmax); }
 
 /* ---- Keys in chunks ----
  * A row's keys are taken in fixed chunks of CHUNK_BLOCKS blocks (128 keys): each chunk gives a partial
@@ -274,6 +277,8 @@ static inline void prefetch_keys(const char *block, int64_t h0, int64_t h1, int 
         default: CALL(1); break;     \
     }
 
+/* The kernels on 16 lanes, one zmm each with AVX-512; other builds take attention_lanes8.h's on 8 lanes. */
+#ifdef __AVX512F__
 /* Scores of `rows` rows for one block's 16 keys (stored [dim][16]): out[r * CHUNK_KEYS + t] =
  * sum_d qs[r * dim + d] * kb[d * 16 + t], summed in four chains (d mod 4) then (c0 + c1) + (c2 + c3); int8
  * keys times their group's scales ks[d / KV_GROUP] as they are loaded. */
@@ -338,6 +343,29 @@ static inline __attribute__((always_inline)) void pv_rows(const char *vb, int64_
 #pragma GCC unroll 16
         for (int c = 0; c < NC; c++) memcpy(acc + r * acc_stride + 16 * c, &a[r * NC + c], sizeof(vf));
 }
+
+/* One row's scores over nb blocks (sr[16 * nb]) -> exp(score - m), with ml[0] = m, their max, and ml[1] = l,
+ * the sum of the exps (0 when the row sees none of these keys: every score -inf). */
+static inline void softmax_chunk(float *sr, int64_t nb, float *ml) {
+    vf mx = load_vf(sr);
+    for (int64_t b = 1; b < nb; b++) mx = vmax(mx, load_vf(sr + 16 * b));
+    const float m = hmax(mx);
+    ml[0] = m;
+    if (m == -INFINITY) { /* sees none of these keys */
+        ml[1] = 0.0f;
+        return;
+    }
+    vf lsum = (vf){0};
+    for (int64_t b = 0; b < nb; b++) {
+        const vf p = exp_vf(load_vf(sr + 16 * b) - m); /* exactly 0 where the score is -inf */
+        lsum += p;
+        memcpy(sr + 16 * b, &p, sizeof p);
+    }
+    ml[1] = hsum(lsum);
+}
+#else
+#include "attention_lanes8.h"
+#endif
 
 /* Partial attention of rows r0..r1-1 (r1 - r0 <= TILE_ROWS) of one request over the keys of blocks
  * [b0, b1) (one chunk), each row from a fresh start, into st (row r at st + (r - r0) * (dim + 2)). Row r is
@@ -433,21 +461,7 @@ static inline __attribute__((always_inline)) void partial_tile_vec(
     for (int64_t r = r0; r < r1; r++) {
         float *sr = sc + (r - r0) * CHUNK_KEYS, *ar = st + (r - r0) * stride;
         memset(ar, 0, sizeof(float) * dim);
-        vf mx = load_vf(sr);
-        for (int64_t b = 1; b < nb; b++) mx = vmax(mx, load_vf(sr + 16 * b));
-        const float m = hmax(mx);
-        ar[dim] = m;
-        if (m == -INFINITY) { /* sees none of these keys */
-            ar[dim + 1] = 0.0f;
-            continue;
-        }
-        vf lsum = (vf){0};
-        for (int64_t b = 0; b < nb; b++) {
-            const vf p = exp_vf(load_vf(sr + 16 * b) - m); /* exactly 0 where the score is -inf */
-            lsum += p;
-            memcpy(sr + 16 * b, &p, sizeof p);
-        }
-        ar[dim + 1] = hsum(lsum);
+        softmax_chunk(sr, nb, ar + dim);
     }
     /* 3. acc += p * v, key by key in order, one FMA chain per 16 floats of a row: rows in groups that
      * share each value vector's load, over the keys every row of the group sees; then each row alone over

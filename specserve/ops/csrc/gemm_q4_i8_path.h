@@ -3,8 +3,14 @@
  * vectors: 16 for 512-bit registers, 8 for 256-bit ones, whose wider vectors GCC would keep in memory), Q4_F /
  * Q4_I / Q4_U (its vectors of Q4_L floats, Q4_L int32 and 4 * Q4_L bytes), Q4_DOT4 (Q4_L lanes of 4 u8 x s8
  * products added to int32), Q4_FMADD (fused multiply-add of Q4_L floats) and Q4_QUANTIZE_GROUP (32 values to
- * two int8 digits). Every path does the same arithmetic in the same order, lane for lane. The header
- * undefines these at its end, ready for the next path. */
+ * two int8 digits); optionally Q4_ACC, the type Q4_DOT4 adds into within a group, and Q4_ACC_SUM, which turns
+ * it into Q4_I once a group (by default Q4_I itself, unchanged). Every path does the same arithmetic in the
+ * same order, lane for lane, and the integer sums are exact on each. The header undefines these at its end,
+ * ready for the next path. */
+#ifndef Q4_ACC
+#define Q4_ACC Q4_I
+#define Q4_ACC_SUM(x) (x)
+#endif
 #define Q4_JOIN(a, b) a##_##b
 #define Q4_NAME(a, b) Q4_JOIN(a, b)
 
@@ -36,10 +42,10 @@ Q4_TARGET static inline ALWAYS_INLINE void Q4_NAME(block_rows, Q4_PATH)(
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *rec = w + g * Q4_RECORD, *q = rec + 2 * BLOCK * sizeof(float);
         for (int line = 0; line < Q4_RECORD; line += 64) __builtin_prefetch(rec + I8_PREFETCH * Q4_RECORD + line);
-        Q4_I hi[Q4_ROWS][2][Q4_P], lo[Q4_ROWS][2][Q4_P]; /* per row, half and part: sums of q_w * hi, q_w * lo */
+        Q4_ACC hi[Q4_ROWS][2][Q4_P], lo[Q4_ROWS][2][Q4_P]; /* per row, half and part: sums of q_w * hi, q_w * lo */
         for (int m = 0; m < rows; m++)
             for (int h = 0; h < 2; h++)
-                for (int p = 0; p < Q4_P; p++) hi[m][h][p] = lo[m][h][p] = (Q4_I){0};
+                for (int p = 0; p < Q4_P; p++) hi[m][h][p] = lo[m][h][p] = (Q4_ACC){0};
         for (int t = 0; t < QGROUP / 4; t++)
             for (int p = 0; p < Q4_P; p++) {
                 Q4_U v;
@@ -66,8 +72,8 @@ Q4_TARGET static inline ALWAYS_INLINE void Q4_NAME(block_rows, Q4_PATH)(
                 for (int m = 0; m < rows; m++) {
                     /* 256 * hi + lo is exact in int32 (|.| < 2^24) and in fp32 */
                     const Q4_F u = (Q4_F){0} + xu[m * ng + g], s = (Q4_F){0} + xs[m * ng + g];
-                    acc[m][h][p] = Q4_FMADD(__builtin_convertvector((hi[m][h][p] << 8) + lo[m][h][p], Q4_F), a * u,
-                                            acc[m][h][p]);
+                    const Q4_I sum = (Q4_ACC_SUM(hi[m][h][p]) << 8) + Q4_ACC_SUM(lo[m][h][p]);
+                    acc[m][h][p] = Q4_FMADD(__builtin_convertvector(sum, Q4_F), a * u, acc[m][h][p]);
                     acc[m][h][p] = Q4_FMADD(b, s, acc[m][h][p]);
                 }
             }
@@ -119,5 +125,7 @@ Q4_TARGET static void Q4_NAME(gemm_blocks, Q4_PATH)(const int8_t *xq, const floa
 #undef Q4_U
 #undef Q4_ROWS
 #undef Q4_DOT4
+#undef Q4_ACC
+#undef Q4_ACC_SUM
 #undef Q4_FMADD
 #undef Q4_QUANTIZE_GROUP

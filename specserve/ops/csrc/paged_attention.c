@@ -187,27 +187,6 @@ static inline vf key_scales(const char *p) {
     return (vf)__builtin_shuffle(b, order);
 }
 
-static inline vf vmax(vf a, vf b) {
-    const vi gt = a > b;
-    return (vf)((gt & (vi)a) | (~gt & (vi)b));
-}
-
-static inline float hsum(vf v) {
-    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return v[0];
-}
-
-static inline float hmax(vf v) {
-    v = vmax(v, __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-    v = vmax(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
-    v = vmax(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
-    v = vmax(v, __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
-    return v[0];
-}
-
 /* exp_nonpositive on x, a vector of float lanes V with int lanes VI (VMAX their lane max), for both vector
  * widths (attention_lanes8.h's too); lanes below -87 (and -inf) give exactly 0. */
 #define EXP_LANES(x, V, VI, VMAX)                                                                       \
@@ -225,8 +204,6 @@ static inline float hmax(vf v) {
         p_ = p_ * r_ * r_ + r_ + 1.0f;                                                                   \
         (V)((VI)(p_ * (V)((ni_ + 127) << 23)) & keep_);                                                  \
     })
-
-static inline vf exp_vf(vf x) { return EXP_LANES(x, vf, vi, vmax); }
 
 /* ---- Keys in chunks ----
  * A row's keys are taken in fixed chunks of CHUNK_BLOCKS blocks (128 keys): each chunk gives a partial
@@ -343,6 +320,29 @@ static inline __attribute__((always_inline)) void pv_rows(const char *vb, int64_
 #pragma GCC unroll 16
         for (int c = 0; c < NC; c++) memcpy(acc + r * acc_stride + 16 * c, &a[r * NC + c], sizeof(vf));
 }
+
+static inline vf vmax(vf a, vf b) {
+    const vi gt = a > b;
+    return (vf)((gt & (vi)a) | (~gt & (vi)b));
+}
+
+static inline float hsum(vf v) {
+    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+static inline float hmax(vf v) {
+    v = vmax(v, __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    v = vmax(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+    v = vmax(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+    v = vmax(v, __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+    return v[0];
+}
+
+static inline vf exp_vf(vf x) { return EXP_LANES(x, vf, vi, vmax); }
 
 /* One row's scores over nb blocks (sr[16 * nb]) -> exp(score - m), with ml[0] = m, their max, and ml[1] = l,
  * the sum of the exps (0 when the row sees none of these keys: every score -inf). */

@@ -166,6 +166,7 @@ class QuantizedWeight:
     group: int
     shape: tuple[int, int]
     qtype: str
+    supers: int = 0  # int8-activation layouts: groups per super-block with int8 scales (0: fp32 a, b per group)
 
     # ------------------------------------------------------------------ construction
 
@@ -234,28 +235,32 @@ class QuantizedWeight:
         if self.format in INT8_ACTIVATION_FORMATS:
             return self.as_exact().for_int8_activations(digits)
         if self.format == Q4 and self.group == 32:
-            return QuantizedWeight(_regroup_q4(self.packed, to_quads=True), Q4_I8 if digits == 2 else Q4_Q8, 32,
-                                   self.shape, self.qtype)
-        if self.format == Q8 and self.group in (16, 32):
-            return QuantizedWeight(_regroup_q8(self.packed, self.group, to_quads=True),
-                                   Q8_I8 if digits == 2 else Q8_Q8, self.group, self.shape, self.qtype)
-        return self
+            packed, fmt = _regroup_q4(self.packed, to_quads=True), Q4_I8 if digits == 2 else Q4_Q8
+        elif self.format == Q8 and self.group in (16, 32):
+            packed, fmt = _regroup_q8(self.packed, self.group, to_quads=True), Q8_I8 if digits == 2 else Q8_Q8
+        else:
+            return self
+        compact = _in_super_blocks(packed, self.group, self.shape)
+        if compact is None:
+            return QuantizedWeight(packed, fmt, self.group, self.shape, self.qtype)
+        return QuantizedWeight(compact, fmt, self.group, self.shape, self.qtype, _SUPER // self.group)
 
     def as_exact(self) -> "QuantizedWeight":
         """The fp32-activation form of the same values (the inverse of for_int8_activations)."""
         if self.format not in INT8_ACTIVATION_FORMATS:
             return self
+        packed = _plain_records(self.packed, self.group, self.supers, self.shape) if self.supers else self.packed
         if _INT8_FORMS[self.format][0] == Q8:
-            return QuantizedWeight(_regroup_q8(self.packed, self.group, to_quads=False), Q8, self.group, self.shape,
+            return QuantizedWeight(_regroup_q8(packed, self.group, to_quads=False), Q8, self.group, self.shape,
                                    self.qtype)
-        return QuantizedWeight(_regroup_q4(self.packed, to_quads=False), Q4, 32, self.shape, self.qtype)
+        return QuantizedWeight(_regroup_q4(packed, to_quads=False), Q4, 32, self.shape, self.qtype)
 
     # ------------------------------------------------------------------ reading back
 
     @property
     def weight_format(self) -> tuple[int, int]:
-        """(format, group) as the C kernels take them."""
-        return self.format, self.group
+        """(format, group) as the C kernels take them: group | supers << 8 (csrc/gemm_common.h's i8_record)."""
+        return self.format, self.group | self.supers << 8
 
     @property
     def nbytes(self) -> int:
@@ -310,7 +315,73 @@ class QuantizedWeight:
         return rows.reshape(*ids.shape, self.shape[1])
 
     def describe(self) -> str:
-        return f"{self.qtype} ({_FORMAT_NAMES[self.format]}, {self.nbytes / 2**20:.1f} MiB)"
+        scales = ", int8 scales" if self.supers else ""
+        return f"{self.qtype} ({_FORMAT_NAMES[self.format]}{scales}, {self.nbytes / 2**20:.1f} MiB)"
+
+
+def _factor(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [..., S] fp32 -> (f [...] fp32, s [..., S] int8, ok [...] bool): per set of S values one factor and
+    small integers with f * s == x bit for bit (zeros' signs included) where ok. A k-quant's group scales are
+    its fp16 super-block scale times 6- or 8-bit integers, so theirs factor; other values in general do not."""
+    bits = x.view(np.uint32)
+    negative = (bits >> 31).astype(bool)
+    mantissa, exponent = np.frexp(np.abs(x.astype(np.float64)))
+    ints = (mantissa * 2.0 ** 24).astype(np.int64)  # |x| = ints * 2**(exponent - 24), exactly
+    exponent = exponent.astype(np.int64) - 24
+    nonzero = ints != 0
+    low = np.where(nonzero, exponent, np.iinfo(np.int64).max).min(axis=-1, keepdims=True)
+    low = np.where(nonzero.any(axis=-1, keepdims=True), low, 0)
+    shift = np.where(nonzero, exponent - low, 0)
+    ok = np.isfinite(x).all(axis=-1) & (shift <= 30).all(axis=-1)  # each set's integers below 2^54
+    scaled = ints << np.minimum(shift, 30)
+    common = np.gcd.reduce(scaled, axis=-1)
+    steps = scaled // np.maximum(common, 1)[..., None]
+    magnitude = common * np.exp2(low[..., 0].astype(np.float64))
+    best_f, best_s = np.zeros(x.shape[:-1], np.float32), np.zeros(x.shape, np.int8)
+    found = np.zeros(x.shape[:-1], bool)
+    for sign in (-1.0, 1.0):  # the factor's sign decides each zero's: try both
+        f = (sign * magnitude).astype(np.float32)
+        signed = np.where(negative == (sign < 0), steps, -steps)
+        fits = ok & (f.astype(np.float64) == sign * magnitude) & ((signed >= -128) & (signed <= 127)).all(axis=-1)
+        s8 = np.clip(signed, -128, 127).astype(np.int8)
+        exact = ((f[..., None] * s8.astype(np.float32)).view(np.uint32) == bits).all(axis=-1)
+        take = fits & exact & ~found
+        best_f, best_s = np.where(take, f, best_f), np.where(take[..., None], s8, best_s)
+        found |= take
+    return best_f, best_s, found
+
+
+def _in_super_blocks(packed: torch.Tensor, group: int, shape: tuple[int, int]) -> torch.Tensor | None:
+    """An int8-activation layout's plain records (a[32], b[32] fp32, then q) in super-blocks of 256 k's with int8
+    scales (csrc/gemm_common.h's i8_record), or None where some super-block's scales do not factor exactly."""
+    n, k = shape
+    supers = _SUPER // group
+    if k % _SUPER or supers < 2:
+        return None
+    nb, ng = -(-n // BLOCK), k // group
+    records = packed.numpy().reshape(nb, ng // supers, supers, -1)
+    # per block, super-block and column: the S groups' a (then b)
+    a, b = (records[..., i * 128:(i + 1) * 128].copy().view(np.float32).transpose(0, 1, 3, 2) for i in range(2))
+    fa, sa, ok_a = _factor(a)
+    fb, sb, ok_b = _factor(b)
+    if not (ok_a.all() and ok_b.all()):
+        return None
+    small = [t.transpose(0, 1, 3, 2).view(np.uint8) for t in (sa, sb)]  # [block, super, group, column]
+    groups = np.concatenate([*small, records[..., _HEADER:]], axis=3).reshape(nb, ng // supers, -1)
+    factors = np.concatenate([fa.view(np.uint8), fb.view(np.uint8)], axis=2)  # [block, super, 256]
+    return torch.from_numpy(np.concatenate([factors, groups], axis=2).reshape(-1))
+
+
+def _plain_records(packed: torch.Tensor, group: int, supers: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The inverse of _in_super_blocks: each group's a, b = the factor times its int8 scale, in fp32 again."""
+    n, k = shape
+    nb, ng = -(-n // BLOCK), k // group
+    body = packed.numpy().reshape(nb, ng // supers, -1)
+    factors = body[..., :_HEADER].copy().view(np.float32).reshape(nb, ng // supers, 1, 2, BLOCK)
+    groups = body[..., _HEADER:].reshape(nb, ng // supers, supers, -1)
+    small = groups[..., :2 * BLOCK].view(np.int8).reshape(nb, ng // supers, supers, 2, BLOCK)
+    scales = (factors * small.astype(np.float32)).reshape(nb, ng // supers, supers, 2 * BLOCK).view(np.uint8)
+    return torch.from_numpy(np.concatenate([scales, groups[..., 2 * BLOCK:]], axis=3).reshape(-1))
 
 
 def _regroup_q4(packed: torch.Tensor, to_quads: bool) -> torch.Tensor:
@@ -386,12 +457,13 @@ def cat_rows(weights: list) -> "QuantizedWeight | torch.Tensor":
         return torch.cat(weights)
     formats = {w.format if isinstance(w, QuantizedWeight) else None for w in weights}
     if formats <= set(INT8_ACTIVATION_FORMATS):
-        groups = {w.group for w in weights}
+        groups = {(w.group, w.supers) for w in weights}
         if len(formats) == 1 and len(groups) == 1 and all(w.shape[0] % BLOCK == 0 for w in weights[:-1]):
             # whole column blocks: the records follow each other, each reordered within itself
             n = sum(w.shape[0] for w in weights)
-            return QuantizedWeight(torch.cat([w.packed for w in weights]), weights[0].format, groups.pop(),
-                                   (n, weights[0].shape[1]), _joined_qtype(weights))
+            group, supers = groups.pop()
+            return QuantizedWeight(torch.cat([w.packed for w in weights]), weights[0].format, group,
+                                   (n, weights[0].shape[1]), _joined_qtype(weights), supers)
         digits = max(_INT8_FORMS[f][1] for f in formats)
         return cat_rows([w.as_exact() for w in weights]).for_int8_activations(digits)
     weights = [w.as_exact() if isinstance(w, QuantizedWeight) else w for w in weights]

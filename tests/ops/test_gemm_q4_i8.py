@@ -230,7 +230,7 @@ def test_a_baseline_x86_build_holds_every_path(tmp_path):
     subprocess.run([cc, *flags, "-shared", *(str(tmp_path / f"{p.stem}.o") for p in sources), "-o", str(out), "-lm"],
                    check=True, capture_output=True, timeout=300)
     lib = ctypes.CDLL(str(out))
-    lib.gemm_q4_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    lib.gemm_q4_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
     lib.gemm_q8_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
     lib.q4_i8_select.argtypes = lib.q4_i8_supported.argtypes = [ctypes.c_int64]
     runs = [name for i, name in enumerate(kernels.INT8_PATHS) if lib.q4_i8_supported(i)]
@@ -247,7 +247,7 @@ def test_a_baseline_x86_build_holds_every_path(tmp_path):
         if name in runs:
             assert lib.q4_i8_select(i) == i
             y = torch.empty(7, 96)
-            assert lib.gemm_q4_i8(x.data_ptr(), weight.packed.data_ptr(), None, y.data_ptr(), 7, 192, 96, 2) == 0
+            assert lib.gemm_q4_i8(x.data_ptr(), weight.packed.data_ptr(), None, y.data_ptr(), 7, 192, 96, 2, 0) == 0
             assert torch.equal(y, want), name
             assert lib.gemm_q8_i8(x.data_ptr(), eight.packed.data_ptr(), None, y.data_ptr(), 7, 192, 96, 16, 2) == 0
             assert torch.equal(y, want_eight), name

@@ -30,10 +30,13 @@ static inline int int8_activations(int64_t format) {
     return format == WEIGHT_Q4_I8 || format == WEIGHT_Q4_Q8 || format == WEIGHT_Q8_I8 || format == WEIGHT_Q8_Q8;
 }
 
-static inline int64_t record_bytes(int64_t format, int64_t group) {
+/* Bytes of q in a record of `group` k's. */
+static inline int64_t q_bytes(int64_t format, int64_t group) {
     const int eight = format == WEIGHT_Q8 || format == WEIGHT_Q8_I8 || format == WEIGHT_Q8_Q8;
-    return RECORD_HEADER + group * (eight ? 32 : 16);
+    return group * (eight ? 32 : 16);
 }
+
+static inline int64_t record_bytes(int64_t format, int64_t group) { return RECORD_HEADER + q_bytes(format, group); }
 
 /* The 32 weights of one k row of a Q4 record, w = q * a + b: the low nibbles are columns 0-15, the high ones
  * 16-31. */
@@ -213,8 +216,10 @@ int gemm_weight(const float *x, const weight_t *w, const float *bias, float *y, 
             if (w->group == 32) return gemm_q8_g32(x, w->data, bias, y, M, K, N), 0;
             if (w->group == 16) return gemm_q8_g16(x, w->data, bias, y, M, K, N), 0;
             return 1;
-        case WEIGHT_Q4_I8: return w->group == 32 ? gemm_q4_i8(x, w->data, bias, y, M, K, N, 2) : 1;
-        case WEIGHT_Q4_Q8: return w->group == 32 ? gemm_q4_i8(x, w->data, bias, y, M, K, N, 1) : 1;
+        case WEIGHT_Q4_I8:
+        case WEIGHT_Q4_Q8:
+            if (I8_GROUP(w->group) != 32) return 1;
+            return gemm_q4_i8(x, w->data, bias, y, M, K, N, w->format == WEIGHT_Q4_I8 ? 2 : 1, I8_SUPERS(w->group));
         case WEIGHT_Q8_I8: return gemm_q8_i8(x, w->data, bias, y, M, K, N, w->group, 2);
         case WEIGHT_Q8_Q8: return gemm_q8_i8(x, w->data, bias, y, M, K, N, w->group, 1);
         default: return 1;
@@ -295,13 +300,14 @@ void weight_rows(const weight_t *w, int64_t K, const int64_t *ids, int64_t count
             }
             continue;
         }
-        const int64_t G = w->group, R = record_bytes(w->format, G);
-        const uint8_t *block = (const uint8_t *)w->data + b * (K / G) * R;
+        const int64_t G = I8_GROUP(w->group), QB = q_bytes(w->format, G);
+        const int supers = I8_SUPERS(w->group);
+        const uint8_t *block = (const uint8_t *)w->data + b * i8_block_bytes(K / G, QB, supers);
         for (int64_t g = 0; g < K / G; g++) {
-            const uint8_t *rec = block + g * R, *q = rec + RECORD_HEADER;
-            float a, s;
-            memcpy(&a, rec + 4 * j, sizeof a);
-            memcpy(&s, rec + 128 + 4 * j, sizeof s);
+            float made[2 * BLOCK];
+            const float *ab;
+            const uint8_t *q = i8_record(block, g, QB, supers, made, &ab);
+            const float a = ab[j], s = ab[BLOCK + j];
             /* a * q is exact: one rounding, fused or not */
             for (int64_t kk = 0; kk < G; kk++) row[g * G + kk] = stored_q(w->format, q, kk, j) * a + s;
         }

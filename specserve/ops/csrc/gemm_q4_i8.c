@@ -27,6 +27,8 @@
  * Packed layout (WEIGHT_Q4_I8, WEIGHT_Q4_Q8): gemm_gguf.c's Q4 records (a[32], b[32], then the group's q) with the q bytes
  * of each group reordered from [k][16] to [k / 4][16][4]: byte 4j + i of quad t holds column j (low nibble)
  * and column j + 16 (high nibble) at k = 4t + i, so one 64-byte load gives 16 columns x 4 k's for each half.
+ * A k-quant's records may instead come in super-blocks with int8 scales (gemm_common.h's i8_record): the same
+ * fp32 a and b, made per group from the super-block's factors, and the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -49,7 +51,8 @@
 #include "specserve_kernels.h"
 
 #define QGROUP 32
-#define Q4_RECORD (2 * BLOCK * (int64_t)sizeof(float) + QGROUP * 16)
+#define Q4_QBYTES (QGROUP * 16) /* a group's nibbles: 32 k's x 32 columns */
+#define Q4_RECORD (I8_PLAIN_HEADER + Q4_QBYTES)
 /* Rows sharing each block's loads: 4 rows keep 16 int32 and 8 fp32 accumulators with the scales and the
  * unpacked nibbles in the 32 vector registers (AVX-512). With 16 registers of half the width (AVX2), a row
  * needs twice the vectors: 2 rows (a 9-row call of 896 x 9728 took 2.2 ms against 2.6 with 1 row a pass and
@@ -287,10 +290,10 @@ static int amx_self_check(int emulated) {
     int same = 1;
     for (int digits = 1; digits <= 2; digits++) {
         quantize_rows_vnni(x, M, K, xq, xu, xs, digits);
-        gemm_blocks_vnni(xq, xu, xs, packed, NULL, y_vnni, M, K, N, digits);
-        if (emulated) gemm_blocks_amx_emulated(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc, digits);
+        gemm_blocks_vnni(xq, xu, xs, packed, NULL, y_vnni, M, K, N, digits, 0);
+        if (emulated) gemm_blocks_amx_emulated(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc, digits, 0);
 #if INT8_AMX_BUILT
-        else gemm_blocks_amx(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc, digits);
+        else gemm_blocks_amx(xq, xu, xs, packed, NULL, y_amx, M, K, N, acc, digits, 0);
 #endif
         same &= memcmp(y_vnni, y_amx, sizeof y_vnni) == 0;
     }
@@ -441,12 +444,13 @@ void int8_quantize_rows(int64_t path, const float *x, int64_t M, int64_t K, int8
     quantize_rows((int)path, x, M, K, q, unit, usum, (int)digits);
 }
 
-/* x: [M, K] fp32 (K a multiple of 32); packed: WEIGHT_Q4_I8 records; bias: [N] or NULL; y: [M, N]; digits: 2
- * (x to ~15 bits) or 1 (8 bits: half the dot products). Returns 0, or 1 when the activations' buffer cannot
- * be allocated or digits is neither. */
+/* x: [M, K] fp32 (K a multiple of 32); packed: WEIGHT_Q4_I8 records, plain (supers 0) or in super-blocks of
+ * `supers` groups (gemm_common.h's i8_record); bias: [N] or NULL; y: [M, N]; digits: 2 (x to ~15 bits) or 1 (8
+ * bits: half the dot products). Returns 0, or 1 when the activations' buffer cannot be allocated, digits is
+ * neither, or the groups are not whole super-blocks. */
 int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
-               int64_t digits) {
-    if (digits != 1 && digits != 2) return 1;
+               int64_t digits, int64_t supers) {
+    if ((digits != 1 && digits != 2) || supers < 0 || (supers && (K / QGROUP) % supers)) return 1;
     const int path = int8_path_for(INT8_GEMM, M);
     const int64_t ng = K / QGROUP;
 #if defined(Q4_X86)
@@ -465,16 +469,17 @@ int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *
     float *acc = (float *)(xq + digits_bytes), *xu = acc + acc_floats, *xs = xu + M * ng;
     memset(xq + 2 * M * K, 0, 2 * (rows - M) * K);
     quantize_rows(path, x, M, K, xq, xu, xs, (int)digits);
+    const int s = (int)supers;
     switch (path) {
 #if defined(Q4_X86)
 #if INT8_AMX_BUILT
-        case INT8_AMX: gemm_blocks_amx(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits); break;
+        case INT8_AMX: gemm_blocks_amx(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits, s); break;
 #endif
-        case INT8_AMX_EMULATED: gemm_blocks_amx_emulated(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits); break;
-        case INT8_VNNI: gemm_blocks_vnni(xq, xu, xs, packed, bias, y, M, K, N, (int)digits); break;
-        case INT8_AVX2: gemm_blocks_avx2(xq, xu, xs, packed, bias, y, M, K, N, (int)digits); break;
+        case INT8_AMX_EMULATED: gemm_blocks_amx_emulated(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits, s); break;
+        case INT8_VNNI: gemm_blocks_vnni(xq, xu, xs, packed, bias, y, M, K, N, (int)digits, s); break;
+        case INT8_AVX2: gemm_blocks_avx2(xq, xu, xs, packed, bias, y, M, K, N, (int)digits, s); break;
 #endif
-        default: gemm_blocks_portable(xq, xu, xs, packed, bias, y, M, K, N, (int)digits); break;
+        default: gemm_blocks_portable(xq, xu, xs, packed, bias, y, M, K, N, (int)digits, s); break;
     }
     free(xq);
     return 0;

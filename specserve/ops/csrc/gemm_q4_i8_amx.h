@@ -21,8 +21,9 @@
 Q4A_TARGET static void Q4A_NAME(gemm_blocks, Q4A_PATH)(const int8_t *xq, const float *xu, const float *xs,
                                                        const uint8_t *packed, const float *bias, float *y,
                                                        int64_t M, int64_t K, int64_t N, float *acc_all,
-                                                       int digits) {
-    const int64_t ng = K / QGROUP, nblocks = (N + BLOCK - 1) / BLOCK, block_bytes = ng * Q4_RECORD;
+                                                       int digits, int supers) {
+    const int64_t ng = K / QGROUP, nblocks = (N + BLOCK - 1) / BLOCK;
+    const int64_t block_bytes = i8_block_bytes(ng, Q4_QBYTES, supers), stride = block_bytes / ng;
     const int64_t padded = amx_rows(M), chunk = M < AMX_ROWS ? M : AMX_ROWS;
 #pragma omp parallel if (M * K * N >= (1 << 18))
     {
@@ -44,14 +45,16 @@ Q4A_TARGET static void Q4A_NAME(gemm_blocks, Q4A_PATH)(const int8_t *xq, const f
             const int64_t col = b * BLOCK, ncols = N - col < BLOCK ? N - col : BLOCK;
             for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = (v16){0};
             for (int64_t g = 0; g < ng; g++) {
-                const uint8_t *rec = w + g * Q4_RECORD, *q = rec + 2 * BLOCK * sizeof(float);
-                for (int line = 0; line < Q4_RECORD; line += 64)
-                    __builtin_prefetch(rec + I8_PREFETCH * Q4_RECORD + line);
+                float made[2 * BLOCK];
+                const float *ab;
+                const uint8_t *q = i8_record(w, g, Q4_QBYTES, supers, made, &ab);
+                for (int line = 0; line < stride; line += 64)
+                    __builtin_prefetch(w + (g + I8_PREFETCH) * stride + line);
                 v16 a0, a1, b0, b1;
-                memcpy(&a0, rec, sizeof a0);
-                memcpy(&a1, rec + 64, sizeof a1);
-                memcpy(&b0, rec + 128, sizeof b0);
-                memcpy(&b1, rec + 192, sizeof b1);
+                memcpy(&a0, ab, sizeof a0);
+                memcpy(&a1, ab + 16, sizeof a1);
+                memcpy(&b0, ab + BLOCK, sizeof b0);
+                memcpy(&b1, ab + BLOCK + 16, sizeof b1);
                 for (int t = 0; t < QGROUP / 4; t++) {
                     u8v v;
                     memcpy(&v, q + t * 64, sizeof v);

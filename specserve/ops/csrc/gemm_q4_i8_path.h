@@ -33,15 +33,18 @@ Q4_TARGET static void Q4_NAME(quantize_rows, Q4_PATH)(const float *x, int64_t M,
 /* Columns h * 16 + p * Q4_L + lane of acc[m][h][p]: each row's 32 accumulators in column order. */
 Q4_TARGET static inline ALWAYS_INLINE void Q4_NAME(block_rows, Q4_PATH)(
     const uint8_t *restrict w, const int8_t *restrict xq, const float *restrict xu, const float *restrict xs,
-    int64_t K, float *restrict y, int64_t N, int64_t ncols, const float *bias, const int rows, const int digits) {
+    int64_t K, float *restrict y, int64_t N, int64_t ncols, const float *bias, const int rows, const int digits,
+    const int supers) {
     Q4_F acc[Q4_ROWS][2][Q4_P];
     for (int m = 0; m < rows; m++)
         for (int h = 0; h < 2; h++)
             for (int p = 0; p < Q4_P; p++) acc[m][h][p] = (Q4_F){0};
-    const int64_t ng = K / QGROUP;
+    const int64_t ng = K / QGROUP, stride = i8_block_bytes(ng, Q4_QBYTES, supers) / ng; /* bytes a group */
+    float made[2 * BLOCK];
     for (int64_t g = 0; g < ng; g++) {
-        const uint8_t *rec = w + g * Q4_RECORD, *q = rec + 2 * BLOCK * sizeof(float);
-        for (int line = 0; line < Q4_RECORD; line += 64) __builtin_prefetch(rec + I8_PREFETCH * Q4_RECORD + line);
+        const float *ab;
+        const uint8_t *q = i8_record(w, g, Q4_QBYTES, supers, made, &ab);
+        for (int line = 0; line < stride; line += 64) __builtin_prefetch(w + (g + I8_PREFETCH) * stride + line);
         Q4_ACC hi[Q4_ROWS][2][Q4_P], lo[Q4_ROWS][2][Q4_P]; /* per row, half and part: sums of q_w * hi, q_w * lo */
         for (int m = 0; m < rows; m++)
             for (int h = 0; h < 2; h++)
@@ -67,8 +70,8 @@ Q4_TARGET static inline ALWAYS_INLINE void Q4_NAME(block_rows, Q4_PATH)(
         for (int h = 0; h < 2; h++)
             for (int p = 0; p < Q4_P; p++) {
                 Q4_F a, b;
-                memcpy(&a, rec + sizeof(float) * (h * 16 + p * Q4_L), sizeof a);
-                memcpy(&b, rec + sizeof(float) * (BLOCK + h * 16 + p * Q4_L), sizeof b);
+                memcpy(&a, ab + h * 16 + p * Q4_L, sizeof a);
+                memcpy(&b, ab + BLOCK + h * 16 + p * Q4_L, sizeof b);
                 for (int m = 0; m < rows; m++) {
                     /* 256 * hi + lo is exact in int32 (|.| < 2^24) and in fp32 */
                     const Q4_F u = (Q4_F){0} + xu[m * ng + g], s = (Q4_F){0} + xs[m * ng + g];
@@ -85,8 +88,9 @@ Q4_TARGET static inline ALWAYS_INLINE void Q4_NAME(block_rows, Q4_PATH)(
  * of 32 columns shared among the threads. */
 Q4_TARGET static void Q4_NAME(gemm_blocks, Q4_PATH)(const int8_t *xq, const float *xu, const float *xs,
                                                     const uint8_t *packed, const float *bias, float *y, int64_t M,
-                                                    int64_t K, int64_t N, int digits) {
-    const int64_t ng = K / QGROUP, nblocks = (N + BLOCK - 1) / BLOCK, block_bytes = ng * Q4_RECORD;
+                                                    int64_t K, int64_t N, int digits, int supers) {
+    const int64_t ng = K / QGROUP, nblocks = (N + BLOCK - 1) / BLOCK;
+    const int64_t block_bytes = i8_block_bytes(ng, Q4_QBYTES, supers);
 #pragma omp parallel for schedule(static) if (M * K * N >= (1 << 18))
     for (int64_t b = 0; b < nblocks; b++) {
         const uint8_t *w = packed + b * block_bytes;
@@ -95,7 +99,7 @@ Q4_TARGET static void Q4_NAME(gemm_blocks, Q4_PATH)(const int8_t *xq, const floa
         int64_t m = 0;
 #define CALL_I8(rows, digits)                                                                                \
     Q4_NAME(block_rows, Q4_PATH)(w, xq + 2 * m * K, xu + m * ng, xs + m * ng, K, y + m * N + col, N, ncols, bb, \
-                                 rows, digits)
+                                 rows, digits, supers)
 #define ROWS_I8(digits)                                                      \
     for (; m + Q4_ROWS <= M; m += Q4_ROWS) CALL_I8(Q4_ROWS, digits);         \
     switch (M - m) {                                                         \

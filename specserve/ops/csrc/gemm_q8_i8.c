@@ -21,7 +21,7 @@
  * Packed layout (WEIGHT_Q8_I8, two digits; WEIGHT_Q8_Q8, one): gemm_gguf.c's Q8 records (a[32], b[32], then the
  * group's q) with the q bytes of each group as u and reordered from [k][32] to [k / 4][32][4]: byte 4j + i of
  * quad t holds column j at k = 4t + i, so one 64-byte load gives 16 columns x 4 k's. The same bytes as the Q8
- * layout.
+ * layout. A k-quant's records may instead come in super-blocks with int8 scales (gemm_common.h's i8_record).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,8 +33,6 @@
 #include "specserve_kernels.h"
 
 #define QGROUP 32                                        /* k's per activation group */
-#define Q8_HEADER (2 * BLOCK * (int64_t)sizeof(float))  /* a[32], b[32] */
-#define Q8_RECORD(G) (Q8_HEADER + (G) * BLOCK)
 #define Q8_QUAD (4 * BLOCK) /* bytes of 4 k's of 32 columns */
 /* Rows sharing each block's loads: 4 rows keep the AVX2 path's 8 int32 accumulators of an 8-column slice, its
  * 2 widened weight vectors and a broadcast in the 16 ymm registers (the VNNI path's 16 in its 32 zmm). */
@@ -70,10 +68,9 @@ static inline ALWAYS_INLINE void store_acc(float acc[][BLOCK], float *y, int64_t
 
 /* ---- the portable path: plain C (vectorized as the build's flags allow) ---- */
 
-static inline ALWAYS_INLINE void group_portable(const uint8_t *rec, const q8_rows_t *x, int64_t m0, int64_t g,
+static inline ALWAYS_INLINE void group_portable(const float *ab, const uint8_t *q, const q8_rows_t *x, int64_t m0, int64_t g,
                                                 float acc[][BLOCK], const int rows, const int G, const int digits) {
     (void)digits;
-    const uint8_t *q = rec + Q8_HEADER;
     for (int m = 0; m < rows; m++) {
         const int16_t *xs = x->wide + (m0 + m) * x->K + g * G;
         i32v s[2] = {{0}, {0}};
@@ -89,8 +86,8 @@ static inline ALWAYS_INLINE void group_portable(const uint8_t *rec, const q8_row
         const float unit = ROW_UNIT(x, m0 + m, g, G), sum = ROW_SUM(x, m0 + m, g, G);
         for (int h = 0; h < 2; h++) {
             v16 a, b, c;
-            memcpy(&a, rec + 64 * h, sizeof a);
-            memcpy(&b, rec + 128 + 64 * h, sizeof b);
+            memcpy(&a, ab + 16 * h, sizeof a);
+            memcpy(&b, ab + BLOCK + 16 * h, sizeof b);
             memcpy(&c, acc[m] + 16 * h, sizeof c);
             const v16 t = __builtin_convertvector(s[h] - ROW_OFFSET(x, m0 + m, g, G), v16);
             c = fmadd_portable(t, a * unit, c);
@@ -108,11 +105,10 @@ static inline ALWAYS_INLINE void group_portable(const uint8_t *rec, const q8_row
 #if defined(__x86_64__)
 /* ---- AVX2: vpmaddwd of the zero-extended weights and 256 hi + lo, per slice of 8 columns ---- */
 
-TARGET_AVX2 static inline ALWAYS_INLINE void group_avx2(const uint8_t *rec, const q8_rows_t *x, int64_t m0,
+TARGET_AVX2 static inline ALWAYS_INLINE void group_avx2(const float *ab, const uint8_t *q, const q8_rows_t *x, int64_t m0,
                                                         int64_t g, float acc[][BLOCK], const int rows, const int G,
                                                         const int digits) {
     (void)digits;
-    const uint8_t *q = rec + Q8_HEADER;
     for (int slice = 0; slice < BLOCK / 8; slice++) {
         /* per row: columns 0-3 and 4-7 of the slice, each column's two int32 lanes its k's 4t, 4t + 1 and
          * 4t + 2, 4t + 3 */
@@ -129,8 +125,8 @@ TARGET_AVX2 static inline ALWAYS_INLINE void group_avx2(const uint8_t *rec, cons
                 c1[m] = _mm256_add_epi32(c1[m], _mm256_madd_epi16(w1, s));
             }
         }
-        const __m256 a = _mm256_loadu_ps((const float *)rec + 8 * slice);
-        const __m256 b = _mm256_loadu_ps((const float *)rec + BLOCK + 8 * slice);
+        const __m256 a = _mm256_loadu_ps(ab + 8 * slice);
+        const __m256 b = _mm256_loadu_ps(ab + BLOCK + 8 * slice);
         for (int m = 0; m < rows; m++) {
             /* hadd: columns 0, 1, 4, 5 | 2, 3, 6, 7; the permutation puts them in order */
             const __m256i u = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c0[m], c1[m]), _MM_SHUFFLE(3, 1, 2, 0));
@@ -151,10 +147,9 @@ TARGET_AVX2 static inline ALWAYS_INLINE void group_avx2(const uint8_t *rec, cons
 
 /* ---- AVX512-VNNI: vpdpbusd of the weights and each digit ---- */
 
-TARGET_VNNI static inline ALWAYS_INLINE void group_vnni(const uint8_t *rec, const q8_rows_t *x, int64_t m0,
+TARGET_VNNI static inline ALWAYS_INLINE void group_vnni(const float *ab, const uint8_t *q, const q8_rows_t *x, int64_t m0,
                                                         int64_t g, float acc[][BLOCK], const int rows, const int G,
                                                         const int digits) {
-    const uint8_t *q = rec + Q8_HEADER;
     const int64_t K = x->K;
     __m512i hi[Q8_ROWS][2], lo[Q8_ROWS][2];
     for (int m = 0; m < rows; m++) hi[m][0] = hi[m][1] = lo[m][0] = lo[m][1] = _mm512_setzero_si512();
@@ -174,8 +169,8 @@ TARGET_VNNI static inline ALWAYS_INLINE void group_vnni(const uint8_t *rec, cons
         }
     }
     for (int h = 0; h < 2; h++) {
-        const __m512 a = _mm512_loadu_ps((const float *)rec + 16 * h);
-        const __m512 b = _mm512_loadu_ps((const float *)rec + BLOCK + 16 * h);
+        const __m512 a = _mm512_loadu_ps(ab + 16 * h);
+        const __m512 b = _mm512_loadu_ps(ab + BLOCK + 16 * h);
         for (int m = 0; m < rows; m++) {
             const __m512i u = _mm512_add_epi32(_mm512_slli_epi32(hi[m][h], 8), lo[m][h]);
             const __m512i t = _mm512_sub_epi32(u, _mm512_set1_epi32(ROW_OFFSET(x, m0 + m, g, G)));
@@ -212,12 +207,17 @@ static void group_sums(int8_t *digits, int16_t *wide, const float *unit, float *
         }
 }
 
-/* x: [M, K] fp32 (K a multiple of 32); packed: WEIGHT_Q8_I8 records of `group` (16 or 32) k's; bias: [N] or
- * NULL; y: [M, N]; digits: 2 (x to ~15 bits) or 1 (8 bits). Returns 0, or 1 when the buffer cannot be
- * allocated or an argument is outside these. */
+/* x: [M, K] fp32 (K a multiple of 32); packed: WEIGHT_Q8_I8 records of G = 16 or 32 k's, plain or in
+ * super-blocks of S groups (group_field = G | S << 8, gemm_common.h's i8_record); bias: [N] or NULL; y: [M, N];
+ * digits: 2 (x to ~15 bits) or 1 (8 bits). Returns 0, or 1 when the buffer cannot be allocated or an argument
+ * is outside these. */
 int gemm_q8_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
-               int64_t group, int64_t digits) {
-    if ((digits != 1 && digits != 2) || (group != 16 && group != 32) || K % QGROUP) return 1;
+               int64_t group_field, int64_t digits) {
+    const int64_t group = I8_GROUP(group_field);
+    const int supers = I8_SUPERS(group_field);
+    if ((digits != 1 && digits != 2) || (group != 16 && group != 32) || K % QGROUP || supers < 0 ||
+        (supers && (K / group) % supers))
+        return 1;
     const int path = int8_path_for(INT8_GEMM_Q8, M);
     const int64_t ng = K / QGROUP, ngw = K / group;
     const int wide = path != INT8_VNNI && path != INT8_AMX && path != INT8_AMX_EMULATED;
@@ -236,10 +236,10 @@ int gemm_q8_i8(const float *x, const uint8_t *packed, const float *bias, float *
 #if defined(__x86_64__)
         case INT8_VNNI:
         case INT8_AMX:
-        case INT8_AMX_EMULATED: gemm_blocks_vnni(&rows, packed, bias, y, M, N, (int)group, (int)digits); break;
-        case INT8_AVX2: gemm_blocks_avx2(&rows, packed, bias, y, M, N, (int)group, (int)digits); break;
+        case INT8_AMX_EMULATED: gemm_blocks_vnni(&rows, packed, bias, y, M, N, (int)group, (int)digits, supers); break;
+        case INT8_AVX2: gemm_blocks_avx2(&rows, packed, bias, y, M, N, (int)group, (int)digits, supers); break;
 #endif
-        default: gemm_blocks_portable(&rows, packed, bias, y, M, N, (int)group, (int)digits); break;
+        default: gemm_blocks_portable(&rows, packed, bias, y, M, N, (int)group, (int)digits, supers); break;
     }
     free(xq);
     return 0;

@@ -26,7 +26,8 @@ void store_kv(void *k_cache, void *v_cache, int64_t kv_dtype, int64_t slot, cons
 /* A packed weight in one of the formats the GEMMs read (gemm.c, gemm_gguf.c, gemm_q4_i8.c, gemm_q8_i8.c);
  * group: k's per scale record. WEIGHT_Q4_I8 and WEIGHT_Q4_Q8 (group 32 only, the same layout), WEIGHT_Q8_I8
  * and WEIGHT_Q8_Q8 (group 16 or 32, the same layout) multiply int8-quantized activations, as two int8 digits
- * (~15 bits) or one (llama.cpp's Q8_0 activations). */
+ * (~15 bits) or one (llama.cpp's Q8_0 activations); their group may be G | S << 8, records in super-blocks of S
+ * groups with int8 scales (gemm_common.h's i8_record). */
 enum {
     WEIGHT_F32 = 0,
     WEIGHT_Q4 = 2,
@@ -42,7 +43,7 @@ typedef struct {
     int64_t format, group;
 } weight_t;
 int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
-               int64_t digits);
+               int64_t digits, int64_t supers);
 int gemm_q8_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
                int64_t group, int64_t digits);
 void int8_quantize_rows(int64_t path, const float *x, int64_t M, int64_t K, int8_t *q, float *unit, float *usum,

@@ -292,3 +292,22 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
         return None
     return value
+
+
+# ---------------------------------------------------------------- fidelity
+
+def teacher_forced_logits(model, tokens):
+    """Logits [T, vocab] of one prefill of `tokens` (int64 [T]) through a fresh paged cache of `model`."""
+    import torch
+
+    from specserve.ops import kernels
+    from specserve.ops.attention import build_attention_metadata, kv_caches
+
+    block = 16
+    blocks = list(range(-(-len(tokens) // block)))
+    caches = kv_caches(model.kv_cache_shape(len(blocks), block), torch.float32, model.num_layers)
+    meta = build_attention_metadata([len(tokens)], [len(tokens)], [blocks], block, torch.arange(len(tokens)),
+                                    kernels.kernel_usable(torch.float32))
+    with torch.inference_mode():
+        hidden, _ = model.forward(tokens, torch.arange(len(tokens)), meta, caches)
+        return model.compute_logits(hidden)

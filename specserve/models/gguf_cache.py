@@ -27,7 +27,7 @@ from specserve.ops.paths import cache_root
 logger = logging.getLogger(__name__)
 
 # Bump when the conversion changes, so stale caches are not reused.
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 
 
 def gguf_cache_dir(path: str) -> Path:
@@ -99,7 +99,8 @@ class CachedTensors(Mapping):
         meta = self.packed.get(name)
         if meta is None:
             return tensor
-        return QuantizedWeight(tensor, meta["format"], meta["group"], tuple(meta["shape"]), meta["qtype"])
+        return QuantizedWeight(tensor, meta["format"], meta["group"], tuple(meta["shape"]), meta["qtype"],
+                               meta.get("supers", 0))
 
     def __iter__(self):
         return iter(self.entries)
@@ -131,7 +132,8 @@ def write_safetensors(target: Path, tensors: Iterable[tuple[str, torch.Tensor | 
     with tempfile.TemporaryFile(dir=target.parent) as data:
         for name, t in tensors:
             if isinstance(t, QuantizedWeight):
-                packed[name] = {"format": t.format, "group": t.group, "shape": list(t.shape), "qtype": t.qtype}
+                packed[name] = {"format": t.format, "group": t.group, "shape": list(t.shape), "qtype": t.qtype,
+                                "supers": t.supers}
                 t = t.packed
             t = t.contiguous()
             nbytes = t.numel() * t.element_size()

@@ -201,29 +201,34 @@ class QuantizedWeight:
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str, shape: tuple[int, int],
-                  row_order: np.ndarray | None = None) -> "QuantizedWeight":
-        """From a GGUF tensor's raw data; row_order: a permutation of the N rows to apply (llama's q/k).
+                  row_order: np.ndarray | None = None, super_blocks: bool = True) -> "QuantizedWeight":
+        """From a GGUF tensor's raw data; row_order: a permutation of the N rows to apply (llama's q/k). A
+        k-quant's groups come in super-blocks with int8 scales (in_super_blocks) unless super_blocks is False.
 
         A large weight is repacked _CHUNK_ROWS rows at a time into its final tensor: decoding and reordering a
         whole 152k-row embedding at once would hold ~4x its packed size in temporaries."""
         n, k = shape
         if row_order is None and n > _CHUNK_ROWS:
             rows = np.asarray(raw).reshape(n, -1)
-            first = cls.from_gguf(rows[:_CHUNK_ROWS], type_name, (_CHUNK_ROWS, k))
+            first = cls.from_gguf(rows[:_CHUNK_ROWS], type_name, (_CHUNK_ROWS, k), None, super_blocks)
             per_row = first.packed.numel() // _CHUNK_ROWS  # per row of whole column blocks
             packed = torch.empty((n + (-n % BLOCK)) * per_row, dtype=first.packed.dtype)
             packed[: first.packed.numel()] = first.packed
             for start in range(_CHUNK_ROWS, n, _CHUNK_ROWS):
-                part = cls.from_gguf(rows[start:start + _CHUNK_ROWS], type_name, (min(_CHUNK_ROWS, n - start), k))
+                part = cls.from_gguf(rows[start:start + _CHUNK_ROWS], type_name, (min(_CHUNK_ROWS, n - start), k),
+                                     None, super_blocks)
+                if part.supers != first.supers:  # some rows' scales do not factor: plain records for all
+                    return cls.from_gguf(raw, type_name, shape, None, super_blocks=False)
                 packed[start * per_row: start * per_row + part.packed.numel()] = part.packed
-            return cls(packed, first.format, first.group, shape, type_name)
+            return cls(packed, first.format, first.group, shape, type_name, first.supers)
         if type_name == "F16":
             halves = np.ascontiguousarray(raw).view(np.float16).reshape(shape)
             return cls.from_f16(halves if row_order is None else halves[row_order])
         q, a, b, fmt, group = decode_blocks(raw, type_name, shape)
         if row_order is not None:
             q, a, b = q[row_order], a[row_order], b[row_order]
-        return cls.pack(q, a, b, fmt, group, type_name)
+        weight = cls.pack(q, a, b, fmt, group, type_name)
+        return weight.in_super_blocks() if super_blocks else weight
 
     def for_int8_activations(self, digits: int = 2) -> "QuantizedWeight":
         """This weight for activations as `digits` int8 digits: a 4-bit one (groups of 32) in gemm_q4_i8.c's
@@ -233,33 +238,50 @@ class QuantizedWeight:
         if digits not in (1, 2):
             raise ValueError(f"digits must be 1 or 2, got {digits}")
         if self.format in INT8_ACTIVATION_FORMATS:
-            return self.as_exact().for_int8_activations(digits)
+            if _INT8_FORMS[self.format][1] == digits:
+                return self
+            fmt = {Q4_I8: Q4_Q8, Q4_Q8: Q4_I8, Q8_I8: Q8_Q8, Q8_Q8: Q8_I8}[self.format]  # the same bytes
+            return QuantizedWeight(self.packed, fmt, self.group, self.shape, self.qtype, self.supers)
         if self.format == Q4 and self.group == 32:
-            packed, fmt = _regroup_q4(self.packed, to_quads=True), Q4_I8 if digits == 2 else Q4_Q8
+            fmt = Q4_I8 if digits == 2 else Q4_Q8
         elif self.format == Q8 and self.group in (16, 32):
-            packed, fmt = _regroup_q8(self.packed, self.group, to_quads=True), Q8_I8 if digits == 2 else Q8_Q8
+            fmt = Q8_I8 if digits == 2 else Q8_Q8
         else:
             return self
-        compact = _in_super_blocks(packed, self.group, self.shape)
+        packed = _regroup(self.packed, self.group, self.supers, self.format == Q8, to_quads=True)
+        return QuantizedWeight(packed, fmt, self.group, self.shape, self.qtype, self.supers).in_super_blocks()
+
+    def in_super_blocks(self) -> "QuantizedWeight":
+        """The same values with int8 scales per group and fp32 factors per super-block of 256 k's
+        (csrc/gemm_common.h's group_record: the same a and b, so the same bits from every kernel) where every
+        group's scales factor so, as a k-quant's do (Q4_K: 4.75 bits a weight instead of 6); else itself."""
+        if self.format == F16 or self.supers:
+            return self
+        compact = _in_super_blocks(self.packed, self.group, self.shape)
         if compact is None:
-            return QuantizedWeight(packed, fmt, self.group, self.shape, self.qtype)
-        return QuantizedWeight(compact, fmt, self.group, self.shape, self.qtype, _SUPER // self.group)
+            return self
+        return QuantizedWeight(compact, self.format, self.group, self.shape, self.qtype, _SUPER // self.group)
+
+    def plain(self) -> "QuantizedWeight":
+        """The same layout with fp32 a, b in every group record (the inverse of in_super_blocks)."""
+        if not self.supers:
+            return self
+        return QuantizedWeight(_plain_records(self.packed, self.group, self.supers, self.shape), self.format,
+                               self.group, self.shape, self.qtype)
 
     def as_exact(self) -> "QuantizedWeight":
         """The fp32-activation form of the same values (the inverse of for_int8_activations)."""
         if self.format not in INT8_ACTIVATION_FORMATS:
             return self
-        packed = _plain_records(self.packed, self.group, self.supers, self.shape) if self.supers else self.packed
-        if _INT8_FORMS[self.format][0] == Q8:
-            return QuantizedWeight(_regroup_q8(packed, self.group, to_quads=False), Q8, self.group, self.shape,
-                                   self.qtype)
-        return QuantizedWeight(_regroup_q4(packed, to_quads=False), Q4, 32, self.shape, self.qtype)
+        fmt = _INT8_FORMS[self.format][0]
+        packed = _regroup(self.packed, self.group, self.supers, fmt == Q8, to_quads=False)
+        return QuantizedWeight(packed, fmt, self.group, self.shape, self.qtype, self.supers)
 
     # ------------------------------------------------------------------ reading back
 
     @property
     def weight_format(self) -> tuple[int, int]:
-        """(format, group) as the C kernels take them: group | supers << 8 (csrc/gemm_common.h's i8_record)."""
+        """(format, group) as the C kernels take them: group | supers << 8 (csrc/gemm_common.h's group_record)."""
         return self.format, self.group | self.supers << 8
 
     @property
@@ -276,6 +298,8 @@ class QuantizedWeight:
             raise ValueError("an F16 weight has no groups")
         if self.format in INT8_ACTIVATION_FORMATS:
             return self.as_exact().unpack()
+        if self.supers:
+            return self.plain().unpack()
         n, k = self.shape
         nb, ng, group = -(-n // BLOCK), k // self.group, self.group
         records = self.packed.numpy().reshape(nb, ng, -1)
@@ -351,25 +375,33 @@ def _factor(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return best_f, best_s, found
 
 
+_CHUNK_BLOCKS = _CHUNK_ROWS // BLOCK  # column blocks converted at a time: a vocabulary's temporaries stay small
+
+
 def _in_super_blocks(packed: torch.Tensor, group: int, shape: tuple[int, int]) -> torch.Tensor | None:
-    """An int8-activation layout's plain records (a[32], b[32] fp32, then q) in super-blocks of 256 k's with int8
-    scales (csrc/gemm_common.h's i8_record), or None where some super-block's scales do not factor exactly."""
+    """Plain group records (a[32], b[32] fp32, then q) in super-blocks of 256 k's with int8 scales
+    (csrc/gemm_common.h's group_record), or None where some super-block's scales do not factor exactly."""
     n, k = shape
     supers = _SUPER // group
     if k % _SUPER or supers < 2:
         return None
     nb, ng = -(-n // BLOCK), k // group
     records = packed.numpy().reshape(nb, ng // supers, supers, -1)
-    # per block, super-block and column: the S groups' a (then b)
-    a, b = (records[..., i * 128:(i + 1) * 128].copy().view(np.float32).transpose(0, 1, 3, 2) for i in range(2))
-    fa, sa, ok_a = _factor(a)
-    fb, sb, ok_b = _factor(b)
-    if not (ok_a.all() and ok_b.all()):
-        return None
-    small = [t.transpose(0, 1, 3, 2).view(np.uint8) for t in (sa, sb)]  # [block, super, group, column]
-    groups = np.concatenate([*small, records[..., _HEADER:]], axis=3).reshape(nb, ng // supers, -1)
-    factors = np.concatenate([fa.view(np.uint8), fb.view(np.uint8)], axis=2)  # [block, super, 256]
-    return torch.from_numpy(np.concatenate([factors, groups], axis=2).reshape(-1))
+    qbytes = records.shape[3] - _HEADER
+    out = np.empty((nb, ng // supers, _HEADER + supers * (2 * BLOCK + qbytes)), np.uint8)
+    for start in range(0, nb, _CHUNK_BLOCKS):
+        part = records[start:start + _CHUNK_BLOCKS]
+        # per block, super-block and column: the S groups' a (then b)
+        a, b = (part[..., i * 128:(i + 1) * 128].copy().view(np.float32).transpose(0, 1, 3, 2) for i in range(2))
+        fa, sa, ok_a = _factor(a)
+        fb, sb, ok_b = _factor(b)
+        if not (ok_a.all() and ok_b.all()):
+            return None
+        small = [t.transpose(0, 1, 3, 2).view(np.uint8) for t in (sa, sb)]  # [block, super, group, column]
+        groups = np.concatenate([*small, part[..., _HEADER:]], axis=3).reshape(part.shape[0], ng // supers, -1)
+        out[start:start + part.shape[0], :, :_HEADER] = np.concatenate([fa.view(np.uint8), fb.view(np.uint8)], axis=2)
+        out[start:start + part.shape[0], :, _HEADER:] = groups
+    return torch.from_numpy(out.reshape(-1))
 
 
 def _plain_records(packed: torch.Tensor, group: int, supers: int, shape: tuple[int, int]) -> torch.Tensor:
@@ -377,31 +409,42 @@ def _plain_records(packed: torch.Tensor, group: int, supers: int, shape: tuple[i
     n, k = shape
     nb, ng = -(-n // BLOCK), k // group
     body = packed.numpy().reshape(nb, ng // supers, -1)
-    factors = body[..., :_HEADER].copy().view(np.float32).reshape(nb, ng // supers, 1, 2, BLOCK)
-    groups = body[..., _HEADER:].reshape(nb, ng // supers, supers, -1)
-    small = groups[..., :2 * BLOCK].view(np.int8).reshape(nb, ng // supers, supers, 2, BLOCK)
-    scales = (factors * small.astype(np.float32)).reshape(nb, ng // supers, supers, 2 * BLOCK).view(np.uint8)
-    return torch.from_numpy(np.concatenate([scales, groups[..., 2 * BLOCK:]], axis=3).reshape(-1))
-
-
-def _regroup_q4(packed: torch.Tensor, to_quads: bool) -> torch.Tensor:
-    """Q4 records (groups of 32) with each record's q bytes reordered [k][16] -> [k / 4][16][4] (to_quads) or
-    back."""
-    records = packed.numpy().reshape(-1, _HEADER + 32 * 16)
-    q = records[:, _HEADER:].reshape(-1, 8, 4, 16) if to_quads else records[:, _HEADER:].reshape(-1, 8, 16, 4)
-    out = records.copy()
-    out[:, _HEADER:] = q.transpose(0, 1, 3, 2).reshape(-1, 32 * 16)
+    qbytes = (body.shape[2] - _HEADER) // supers - 2 * BLOCK
+    out = np.empty((nb, ng // supers, supers, _HEADER + qbytes), np.uint8)
+    for start in range(0, nb, _CHUNK_BLOCKS):
+        part = body[start:start + _CHUNK_BLOCKS]
+        factors = part[..., :_HEADER].copy().view(np.float32).reshape(part.shape[0], ng // supers, 1, 2, BLOCK)
+        groups = part[..., _HEADER:].reshape(part.shape[0], ng // supers, supers, -1)
+        small = groups[..., :2 * BLOCK].view(np.int8).reshape(part.shape[0], ng // supers, supers, 2, BLOCK)
+        scales = factors * small.astype(np.float32)
+        out[start:start + part.shape[0], ..., :_HEADER] = scales.reshape(*groups.shape[:3], 2 * BLOCK).view(np.uint8)
+        out[start:start + part.shape[0], ..., _HEADER:] = groups[..., 2 * BLOCK:]
     return torch.from_numpy(out.reshape(-1))
 
 
-def _regroup_q8(packed: torch.Tensor, group: int, to_quads: bool) -> torch.Tensor:
-    """Q8 records of `group` k's with each record's q bytes from int8 [k][32] to q + 128 in [k / 4][32][4]
-    (to_quads) or back."""
-    records = packed.numpy().reshape(-1, _HEADER + 32 * group)
-    shape = (-1, group // 4, 4, 32) if to_quads else (-1, group // 4, 32, 4)
-    out = records.copy()
-    out[:, _HEADER:] = (records[:, _HEADER:].reshape(shape).transpose(0, 1, 3, 2) ^ 0x80).reshape(-1, 32 * group)
-    return torch.from_numpy(out.reshape(-1))
+_REGROUP_RECORDS = 1 << 14  # records reordered at a time: a vocabulary's temporaries stay small
+
+
+def _regroup(packed: torch.Tensor, group: int, supers: int, eight: bool, to_quads: bool) -> torch.Tensor:
+    """A copy of the records with each one's q bytes reordered: 4-bit (groups of 32) from [k][16] to
+    [k / 4][16][4] (to_quads) or back; 8-bit (groups of `group`) from int8 [k][32] to q + 128 in [k / 4][32][4]
+    (to_quads) or back. The scales (plain or in super-blocks) stay as they are."""
+    qbytes = group * (32 if eight else 16)
+    out = packed.numpy().copy()
+    if supers:  # views of out: [super-block, group, the group's q bytes]
+        records = out.reshape(-1, _HEADER + supers * (2 * BLOCK + qbytes))[:, _HEADER:]
+        q = records.reshape(records.shape[0], supers, 2 * BLOCK + qbytes)[:, :, 2 * BLOCK:]
+    else:
+        q = out.reshape(-1, 1, _HEADER + qbytes)[:, :, _HEADER:]
+    if eight:
+        shape = (-1, group // 4, 4, 32) if to_quads else (-1, group // 4, 32, 4)
+    else:
+        shape = (-1, 8, 4, 16) if to_quads else (-1, 8, 16, 4)
+    for start in range(0, q.shape[0], _REGROUP_RECORDS):
+        part = q[start:start + _REGROUP_RECORDS]
+        moved = part.reshape(shape).transpose(0, 1, 3, 2)
+        part[:] = (moved ^ 0x80 if eight else moved).reshape(part.shape)
+    return torch.from_numpy(out)
 
 
 def quantize_q4(weight: torch.Tensor, group: int = 32) -> QuantizedWeight:
@@ -422,8 +465,11 @@ def quantize_q4(weight: torch.Tensor, group: int = 32) -> QuantizedWeight:
 
 def int8_activation_weights(state_dict: Mapping, digits: int = 2) -> Mapping:
     """The decoder layers' 4-bit and 8-bit QuantizedWeights in the int8-activation layouts
-    (for_int8_activations) for `digits` int8 digits per activation; embeddings and the LM head keep theirs
-    (lookups and the exact greedy argmax read them). Each weight is repacked when it is read and not kept: a
+    (for_int8_activations) for `digits` int8 digits per activation. Embeddings and the LM head keep theirs (the
+    exact greedy argmax screens the head through an int8 copy of its own) unless they are k-quants in
+    super-blocks: a 0.5-8B model's head, whose int8 copy would be 150-250 MB beside it, then takes int8
+    activations as the layers do, and a greedy step the argmax of those logits. Each weight is repacked when
+    it is read and not kept: a
     model builder that fuses q/k/v or gate/up holds one copy of them, never the parts and the fused weight of
     every layer at once (a 1.5B model's blocks are ~1 GB)."""
     return Int8ActivationWeights(state_dict, digits)
@@ -440,7 +486,9 @@ class Int8ActivationWeights(Mapping):
 
     def __getitem__(self, name: str):
         w = self.state_dict[name]
-        return w.for_int8_activations(self.digits) if isinstance(w, QuantizedWeight) and ".layers." in name else w
+        if isinstance(w, QuantizedWeight) and (".layers." in name or w.supers):
+            return w.for_int8_activations(self.digits)
+        return w
 
     def __iter__(self):
         return iter(self.state_dict)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from specserve.bench.common import teacher_forced_logits as _teacher_forced_logits
 from specserve.config import EngineConfig
 from specserve.models.gguf_loader import load_gguf
 from specserve.models.gguf_quant import (BLOCK_TYPES, F16, Q4_I8, Q4_Q8, QuantizedWeight, cat_rows,
@@ -19,7 +20,6 @@ from specserve.models.linear import FastLinear
 from specserve.models.loader import load_model_weights
 from specserve.models.registry import build_model
 from specserve.ops import kernels
-from specserve.ops.attention import build_attention_metadata, kv_caches
 from specserve.tokenizer import load_tokenizer
 from tests.kernel_support import requires_c_kernels
 from tests.models.test_fused_forward import _run
@@ -256,18 +256,6 @@ def test_cache_holds_the_packed_blocks(tmp_path, monkeypatch, caplog):
 
 
 # ---------------------------------------------------------------- int8 activations (EngineConfig.gguf_compute)
-
-def _teacher_forced_logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits [T, vocab] of one prefill of `tokens` through a fresh paged cache."""
-    block = 16
-    blocks = list(range(-(-len(tokens) // block)))
-    caches = kv_caches(model.kv_cache_shape(len(blocks), block), torch.float32, model.num_layers)
-    meta = build_attention_metadata([len(tokens)], [len(tokens)], [blocks], block, torch.arange(len(tokens)),
-                                    kernels.kernel_usable(torch.float32))
-    with torch.inference_mode():
-        hidden, _ = model.forward(tokens, torch.arange(len(tokens)), meta, caches)
-        return model.compute_logits(hidden)
-
 
 @requires_c_kernels
 def test_default_model_with_int8_activations_follows_the_exact_model(default_gguf_path):

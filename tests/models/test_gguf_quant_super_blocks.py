@@ -1,5 +1,5 @@
 """K-quant weights in the int8-activation layouts keep their scales as int8 per group and fp32 per super-block
-(gguf_quant._in_super_blocks, csrc/gemm_common.h's i8_record): the same fp32 a and b as the plain records, so the
+(gguf_quant._in_super_blocks, csrc/gemm_common.h's group_record): the same fp32 a and b as the plain records, so the
 same values and, on every instruction-set path and row count, the same GEMM bits, in fewer bytes."""
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.models.gguf_quant import (Q4, Q4_I8, Q4_Q8, Q8_I8, Q8_Q8, QuantizedWeight, _factor, _regroup_q4,
-                                         _regroup_q8, cat_rows)
+from specserve.models import gguf_quant
+from specserve.models.gguf_quant import Q4, Q4_I8, Q4_Q8, Q8_I8, Q8_Q8, QuantizedWeight, _factor, _regroup, cat_rows
+from specserve.models.llama import make_linear
 from specserve.ops import kernels
 from tests.kernel_support import requires_c_kernels
 from tests.models.test_gguf_quant import random_blocks
@@ -23,12 +24,11 @@ SUPER_BLOCKS = {"Q4_K": (8, (256 + 8 * (64 + 512)) / (8 * (256 + 512))),
 
 def plain_layout(weight: QuantizedWeight, digits: int) -> QuantizedWeight:
     """The int8-activation layout with fp32 a, b in every record: what for_int8_activations gave before."""
-    if weight.format == Q4:
-        return QuantizedWeight(_regroup_q4(weight.packed, to_quads=True), Q4_I8 if digits == 2 else Q4_Q8, 32,
-                               weight.shape, weight.qtype)
-    fmt = Q8_I8 if digits == 2 else Q8_Q8
-    return QuantizedWeight(_regroup_q8(weight.packed, weight.group, to_quads=True), fmt, weight.group, weight.shape,
-                           weight.qtype)
+    weight = weight.plain()
+    eight = weight.format != Q4
+    fmt = (Q8_I8 if digits == 2 else Q8_Q8) if eight else (Q4_I8 if digits == 2 else Q4_Q8)
+    return QuantizedWeight(_regroup(weight.packed, weight.group, 0, eight, to_quads=True), fmt, weight.group,
+                           weight.shape, weight.qtype)
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def restore_path():
 def test_k_quant_scales_are_int8_with_the_same_values(qtype):
     rng = np.random.default_rng(len(qtype))
     n, k = 45, 768  # a partial column block; three super-blocks
-    exact = QuantizedWeight.from_gguf(random_blocks(rng, qtype, n, k), qtype, (n, k))
+    exact = QuantizedWeight.from_gguf(random_blocks(rng, qtype, n, k), qtype, (n, k), super_blocks=False)
     supers, ratio = SUPER_BLOCKS[qtype]
     for digits in (2, 1):
         int8 = exact.for_int8_activations(digits)
@@ -50,7 +50,7 @@ def test_k_quant_scales_are_int8_with_the_same_values(qtype):
         assert int8.nbytes == pytest.approx(plain.nbytes * ratio)
         assert torch.equal(int8.dequantize(), exact.dequantize())
         assert torch.equal(int8[torch.tensor([44, 0, 31])], exact[torch.tensor([44, 0, 31])])
-        assert torch.equal(int8.as_exact().packed, exact.packed)
+        assert torch.equal(int8.as_exact().plain().packed, exact.packed)
         for part, want in zip(int8.unpack(), exact.unpack()):
             np.testing.assert_array_equal(part, want)
 
@@ -61,7 +61,7 @@ def test_every_path_gives_the_plain_layouts_bits(qtype, restore_path):
     it gives on the plain records, for any row count."""
     rng = np.random.default_rng(7)
     n, k = 70, 512
-    exact = QuantizedWeight.from_gguf(random_blocks(rng, qtype, n, k), qtype, (n, k))
+    exact = QuantizedWeight.from_gguf(random_blocks(rng, qtype, n, k), qtype, (n, k), super_blocks=False)
     x = torch.from_numpy((rng.standard_normal((40, k)) * rng.uniform(0.01, 30, (40, 1))).astype(np.float32))
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
     kernel = "gemm" if exact.format == Q4 else "gemm_q8"
@@ -110,3 +110,47 @@ def test_fused_k_quant_weights_stay_in_super_blocks():
                       QuantizedWeight.from_gguf(random_blocks(rng, "Q6_K", 32, 512), "Q6_K", (32, 512))
                       .for_int8_activations()])  # Q4_K and Q6_K rows: widened to 8 bits, groups of 16
     assert mixed.format == Q8_I8 and mixed.group == 16 and mixed.supers == 16
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPER_BLOCKS))
+def test_the_fp32_activation_layout_in_super_blocks_gives_the_same_bits(qtype):
+    """Embeddings and LM heads keep the fp32-activation layout (lookups, the exact greedy argmax): in super-blocks
+    their GEMM, rows, single columns and argmax are the plain layout's, bit for bit."""
+    rng = np.random.default_rng(11)
+    n, k = 300, 512
+    raw = random_blocks(rng, qtype, n, k)
+    plain = QuantizedWeight.from_gguf(raw, qtype, (n, k), super_blocks=False)
+    compact = QuantizedWeight.from_gguf(raw, qtype, (n, k))  # what loading a file gives
+    assert torch.equal(compact.packed, plain.in_super_blocks().packed)
+    assert compact.supers == SUPER_BLOCKS[qtype][0] and compact.format == plain.format
+    assert compact.nbytes == pytest.approx(plain.nbytes * SUPER_BLOCKS[qtype][1])
+    assert torch.equal(compact.plain().packed, plain.packed) and compact.in_super_blocks() is compact
+    assert torch.equal(compact.dequantize(), plain.dequantize())
+    x = torch.from_numpy(rng.standard_normal((9, k)).astype(np.float32))
+    for rows in (1, 4, 9):
+        got = kernels.gemm_weight(x[:rows], compact.packed, compact.weight_format, None, n)
+        assert torch.equal(got, kernels.gemm_weight(x[:rows], plain.packed, plain.weight_format, None, n))
+    head = make_linear(compact, None, torch.float32)
+    assert head.enable_exact_argmax()
+    want = kernels.gemm_weight(x, plain.packed, plain.weight_format, None, n).argmax(-1)
+    assert torch.equal(head.argmax(x), want)
+    assert torch.equal(compact.for_int8_activations().packed, plain.for_int8_activations().packed)
+
+
+def test_a_large_weight_is_converted_in_chunks_of_rows(monkeypatch):
+    rng = np.random.default_rng(13)
+    n, k = gguf_quant._CHUNK_ROWS + 100, 256
+    raw = random_blocks(rng, "Q6_K", n, k)
+    plain = QuantizedWeight.from_gguf(raw, "Q6_K", (n, k), super_blocks=False)
+    chunked = QuantizedWeight.from_gguf(raw, "Q6_K", (n, k))
+    assert chunked.supers == 16 and torch.equal(chunked.packed, plain.in_super_blocks().packed)
+    calls = []
+    real = gguf_quant._in_super_blocks
+
+    def second_chunk_does_not_factor(packed, group, shape):
+        calls.append(shape)
+        return None if len(calls) == 2 else real(packed, group, shape)
+
+    monkeypatch.setattr(gguf_quant, "_in_super_blocks", second_chunk_does_not_factor)
+    mixed = QuantizedWeight.from_gguf(raw, "Q6_K", (n, k))  # every chunk in plain records then
+    assert mixed.supers == 0 and torch.equal(mixed.packed, plain.packed)

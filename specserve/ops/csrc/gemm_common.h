@@ -133,41 +133,41 @@ static inline __attribute__((always_inline)) void load_block(vf w[NV], const flo
     for (int j = 0; j < NV; j++) memcpy(&w[j], p + j * VLEN, sizeof w[j]);
 }
 
-/* The group records of the int8-activation layouts (gemm_q4_i8.c, gemm_q8_i8.c, read back by gemm_gguf.c). A
- * weight's `group` there is G | S << 8. With S = 0 each record is a[32], b[32] (fp32) and then the group's q
- * bytes. With S > 0 (the k-quants: Q4_K's super-blocks of 8 groups of 32, Q6_K's of 16 groups of 16) every S
- * records follow the super-block's fp32 factors D[32], E[32], and each record is sc[32], mn[32] (int8) and then
- * its q bytes, with a = D * sc and b = E * mn: the file's fp16 scale times a small integer, an exact product,
- * so the same fp32 a and b as the plain records hold, in 64 + q bytes a group instead of 256 + q (Q4_K: 4.75
- * bits a weight against 6; Q6_K widened to int8: 9.5 against 12). */
-#define I8_GROUP(group) ((group) & 255)
-#define I8_SUPERS(group) ((int)((group) >> 8))
-#define I8_PLAIN_HEADER (2 * BLOCK * (int64_t)sizeof(float)) /* a[32], b[32] */
-#define I8_SMALL_HEADER (2 * BLOCK)                          /* sc[32], mn[32] */
+/* The group records of the GGUF-block layouts (gemm_gguf.c, gemm_q4_i8.c, gemm_q8_i8.c). A weight's `group` is
+ * G | S << 8. With S = 0 each record is a[32], b[32] (fp32) and then the group's q bytes. With S > 0 (the
+ * k-quants: Q4_K's super-blocks of 8 groups of 32, Q6_K's of 16 groups of 16) every S records follow the
+ * super-block's fp32 factors D[32], E[32], and each record is sc[32], mn[32] (int8) and then its q bytes, with
+ * a = D * sc and b = E * mn: the file's fp16 scale times a small integer, an exact product, so the same fp32
+ * a and b as the plain records hold, in 64 + q bytes a group instead of 256 + q (Q4_K: 4.75 bits a weight
+ * against 6; Q6_K widened to int8: 9.5 against 12). */
+#define RECORD_GROUP(group) ((group) & 255)
+#define RECORD_SUPERS(group) ((int)((group) >> 8))
+#define PLAIN_HEADER (2 * BLOCK * (int64_t)sizeof(float)) /* a[32], b[32] */
+#define SMALL_HEADER (2 * BLOCK)                          /* sc[32], mn[32] */
 
 /* Bytes of one block of 32 columns: `groups` records of `qbytes` q bytes each. */
-static inline int64_t i8_block_bytes(int64_t groups, int64_t qbytes, int supers) {
-    if (!supers) return groups * (I8_PLAIN_HEADER + qbytes);
-    return groups / supers * I8_PLAIN_HEADER + groups * (I8_SMALL_HEADER + qbytes);
+static inline int64_t records_bytes(int64_t groups, int64_t qbytes, int supers) {
+    if (!supers) return groups * (PLAIN_HEADER + qbytes);
+    return groups / supers * PLAIN_HEADER + groups * (SMALL_HEADER + qbytes);
 }
 
 /* Group g of a block: returns its q bytes and points *ab at its a[32], b[32], the record's own or made in
  * buf[64] from the super-block's factors. */
-static inline __attribute__((always_inline)) const uint8_t *i8_record(const uint8_t *block, int64_t g,
+static inline __attribute__((always_inline)) const uint8_t *group_record(const uint8_t *block, int64_t g,
                                                                       int64_t qbytes, int supers, float *buf,
                                                                       const float **ab) {
     if (!supers) {
-        const uint8_t *rec = block + g * (I8_PLAIN_HEADER + qbytes);
+        const uint8_t *rec = block + g * (PLAIN_HEADER + qbytes);
         *ab = (const float *)rec;
-        return rec + I8_PLAIN_HEADER;
+        return rec + PLAIN_HEADER;
     }
-    const uint8_t *super = block + (g / supers) * (I8_PLAIN_HEADER + supers * (I8_SMALL_HEADER + qbytes));
-    const uint8_t *rec = super + I8_PLAIN_HEADER + (g % supers) * (I8_SMALL_HEADER + qbytes);
+    const uint8_t *super = block + (g / supers) * (PLAIN_HEADER + supers * (SMALL_HEADER + qbytes));
+    const uint8_t *rec = super + PLAIN_HEADER + (g % supers) * (SMALL_HEADER + qbytes);
     float factors[2 * BLOCK];
     memcpy(factors, super, sizeof factors);
     for (int j = 0; j < 2 * BLOCK; j++) buf[j] = factors[j] * (float)(int8_t)rec[j];
     *ab = buf;
-    return rec + I8_SMALL_HEADER;
+    return rec + SMALL_HEADER;
 }
 
 #endif

@@ -13,7 +13,9 @@
  *
  * Packed layout (WEIGHT_Q4, WEIGHT_Q8): for each block of 32 output columns, K / G group records, each
  * a[32] and b[32] (fp32) then G rows of the 32 columns' q: 16 bytes (Q4: byte j holds column j in its low
- * nibble and column j + 16 in its high one) or 32 bytes (Q8: int8). Columns past N are zero. WEIGHT_F16:
+ * nibble and column j + 16 in its high one) or 32 bytes (Q8: int8); a k-quant's records may come in
+ * super-blocks with int8 scales instead (gemm_common.h's group_record: the same a and b). Columns past N are
+ * zero. WEIGHT_F16:
  * gemm_packed_f32's layout, [ceil(N / 32)][K][32], in IEEE half precision.
  */
 #include <math.h>
@@ -23,7 +25,6 @@
 #include "gemm_common.h"
 #include "specserve_kernels.h"
 
-#define RECORD_HEADER (2 * BLOCK * (int64_t)sizeof(float)) /* a[32], b[32] */
 
 /* Whether `format` multiplies int8-quantized activations (gemm_q4_i8.c, gemm_q8_i8.c). */
 static inline int int8_activations(int64_t format) {
@@ -36,7 +37,6 @@ static inline int64_t q_bytes(int64_t format, int64_t group) {
     return group * (eight ? 32 : 16);
 }
 
-static inline int64_t record_bytes(int64_t format, int64_t group) { return RECORD_HEADER + q_bytes(format, group); }
 
 /* The 32 weights of one k row of a Q4 record, w = q * a + b: the low nibbles are columns 0-15, the high ones
  * 16-31. */
@@ -103,25 +103,28 @@ float half_to_float(uint16_t h) {
     return out;
 }
 
-static inline __attribute__((always_inline)) void load_record_scales(const uint8_t *rec, vf a[NV], vf b[NV]) {
-    load_block(a, (const float *)rec);
-    load_block(b, (const float *)(rec + 128));
+static inline __attribute__((always_inline)) void load_record_scales(const float *ab, vf a[NV], vf b[NV]) {
+    load_block(a, ab);
+    load_block(b, ab + BLOCK);
 }
 
-/* One block of 32 columns for `rows` rows: group records of G k steps, `qbytes` bytes of q per k step. */
+/* One block of 32 columns for `rows` rows: group records of G k steps, `qbytes` bytes of q per k step, plain or
+ * in super-blocks of `supers` groups (gemm_common.h's group_record). */
 static inline __attribute__((always_inline)) void block_rows_q(const uint8_t *restrict w, const float *restrict x,
                                                                int64_t K, float *restrict y, int64_t N,
                                                                int64_t ncols, const float *bias, const int rows,
-                                                               const int qbytes, const int G) {
+                                                               const int qbytes, const int G, const int supers) {
     vf acc[MAX_ROWS][NV];
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < NV; j++) acc[m][j] = (vf){0};
-    const int64_t R = RECORD_HEADER + (int64_t)G * qbytes;
-    for (int64_t g = 0; g < K / G; g++) {
-        const uint8_t *rec = w + g * R, *q = rec + RECORD_HEADER;
-        __builtin_prefetch(rec + R + PREFETCH);
+    const int64_t ng = K / G, stride = records_bytes(ng, (int64_t)G * qbytes, supers) / ng; /* bytes a group */
+    float made[2 * BLOCK];
+    for (int64_t g = 0; g < ng; g++) {
+        const float *ab;
+        const uint8_t *q = group_record(w, g, (int64_t)G * qbytes, supers, made, &ab);
+        __builtin_prefetch(w + (g + 1) * stride + PREFETCH);
         vf a[NV], b[NV];
-        load_record_scales(rec, a, b);
+        load_record_scales(ab, a, b);
         for (int kk = 0; kk < G; kk++) {
             vf wv[NV];
             if (qbytes == 16) {
@@ -156,8 +159,8 @@ static inline __attribute__((always_inline)) void block_rows_f16(const uint16_t 
 /* One format and group size with compile-time constants, so each keeps its accumulators in registers. */
 #define DEFINE_GEMM_Q(NAME, QBYTES, G)                                                                       \
     static void NAME(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, \
-                     int64_t N) {                                                                           \
-        const int64_t nblocks = (N + BLOCK - 1) / BLOCK, block_bytes = K / (G) * (RECORD_HEADER + (G) * (QBYTES)); \
+                     int64_t N, int supers) {                                                               \
+        const int64_t nblocks = (N + BLOCK - 1) / BLOCK, block_bytes = records_bytes(K / (G), (G) * (QBYTES), supers); \
         _Pragma("omp parallel for schedule(static) if (M * K * N >= (1 << 18))")                           \
         for (int64_t b = 0; b < nblocks; b++) {                                                             \
             const uint8_t *w = packed + b * block_bytes;                                                    \
@@ -167,7 +170,7 @@ static inline __attribute__((always_inline)) void block_rows_f16(const uint16_t 
             FOR_ROW_CHUNKS(M, m, CALL_Q)                                                                    \
         }                                                                                                   \
     }
-#define CALL_Q(rows) block_rows_q(w, x + m * K, K, y + m * N + col, N, ncols, bb, rows, CUR_QBYTES, CUR_G)
+#define CALL_Q(rows) block_rows_q(w, x + m * K, K, y + m * N + col, N, ncols, bb, rows, CUR_QBYTES, CUR_G, supers)
 
 #define CUR_QBYTES 16
 #define CUR_G 32
@@ -209,17 +212,19 @@ int gemm_weight(const float *x, const weight_t *w, const float *bias, float *y, 
         case WEIGHT_F32: gemm_packed_f32(x, (const float *)w->data, bias, y, M, K, N); return 0;
         case WEIGHT_F16: gemm_f16(x, (const uint16_t *)w->data, bias, y, M, K, N); return 0;
         case WEIGHT_Q4:
-            if (w->group == 32) return gemm_q4_g32(x, w->data, bias, y, M, K, N), 0;
-            if (w->group == 16) return gemm_q4_g16(x, w->data, bias, y, M, K, N), 0;
-            return 1;
-        case WEIGHT_Q8:
-            if (w->group == 32) return gemm_q8_g32(x, w->data, bias, y, M, K, N), 0;
-            if (w->group == 16) return gemm_q8_g16(x, w->data, bias, y, M, K, N), 0;
-            return 1;
+        case WEIGHT_Q8: {
+            const int64_t G = RECORD_GROUP(w->group);
+            const int supers = RECORD_SUPERS(w->group);
+            if ((G != 16 && G != 32) || (supers && (K / G) % supers)) return 1;
+            const int q4 = w->format == WEIGHT_Q4;
+            if (G == 32) (q4 ? gemm_q4_g32 : gemm_q8_g32)(x, w->data, bias, y, M, K, N, supers);
+            else (q4 ? gemm_q4_g16 : gemm_q8_g16)(x, w->data, bias, y, M, K, N, supers);
+            return 0;
+        }
         case WEIGHT_Q4_I8:
         case WEIGHT_Q4_Q8:
-            if (I8_GROUP(w->group) != 32) return 1;
-            return gemm_q4_i8(x, w->data, bias, y, M, K, N, w->format == WEIGHT_Q4_I8 ? 2 : 1, I8_SUPERS(w->group));
+            if (RECORD_GROUP(w->group) != 32) return 1;
+            return gemm_q4_i8(x, w->data, bias, y, M, K, N, w->format == WEIGHT_Q4_I8 ? 2 : 1, RECORD_SUPERS(w->group));
         case WEIGHT_Q8_I8: return gemm_q8_i8(x, w->data, bias, y, M, K, N, w->group, 2);
         case WEIGHT_Q8_Q8: return gemm_q8_i8(x, w->data, bias, y, M, K, N, w->group, 1);
         default: return 1;
@@ -251,18 +256,21 @@ float weight_column(const float *x, const weight_t *w, int64_t K, int64_t n) {
         }
         return acc[n % VLEN];
     }
-    const int64_t G = w->group, R = record_bytes(w->format, G);
-    const uint8_t *block = (const uint8_t *)w->data + b * (K / G) * R;
+    const int64_t G = RECORD_GROUP(w->group), QB = q_bytes(w->format, G);
+    const int supers = RECORD_SUPERS(w->group);
+    const uint8_t *block = (const uint8_t *)w->data + b * records_bytes(K / G, QB, supers);
     for (int64_t g = 0; g < K / G; g++) {
-        const uint8_t *rec = block + g * R;
+        float made[2 * BLOCK];
+        const float *ab;
+        const uint8_t *q = group_record(block, g, QB, supers, made, &ab);
         vf a[NV], s[NV];
-        load_record_scales(rec, a, s);
+        load_record_scales(ab, a, s);
         for (int64_t kk = 0; kk < G; kk++) {
             vf wv[NV];
             if (w->format == WEIGHT_Q4)
-                dequant_q4(rec + RECORD_HEADER + kk * 16, a, s, wv);
+                dequant_q4(q + kk * 16, a, s, wv);
             else
-                dequant_q8(rec + RECORD_HEADER + kk * 32, a, s, wv);
+                dequant_q8(q + kk * 32, a, s, wv);
             acc = fma_vf((vf){0} + x[g * G + kk], wv[j], acc);
         }
     }
@@ -300,13 +308,13 @@ void weight_rows(const weight_t *w, int64_t K, const int64_t *ids, int64_t count
             }
             continue;
         }
-        const int64_t G = I8_GROUP(w->group), QB = q_bytes(w->format, G);
-        const int supers = I8_SUPERS(w->group);
-        const uint8_t *block = (const uint8_t *)w->data + b * i8_block_bytes(K / G, QB, supers);
+        const int64_t G = RECORD_GROUP(w->group), QB = q_bytes(w->format, G);
+        const int supers = RECORD_SUPERS(w->group);
+        const uint8_t *block = (const uint8_t *)w->data + b * records_bytes(K / G, QB, supers);
         for (int64_t g = 0; g < K / G; g++) {
             float made[2 * BLOCK];
             const float *ab;
-            const uint8_t *q = i8_record(block, g, QB, supers, made, &ab);
+            const uint8_t *q = group_record(block, g, QB, supers, made, &ab);
             const float a = ab[j], s = ab[BLOCK + j];
             /* a * q is exact: one rounding, fused or not */
             for (int64_t kk = 0; kk < G; kk++) row[g * G + kk] = stored_q(w->format, q, kk, j) * a + s;

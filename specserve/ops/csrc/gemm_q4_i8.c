@@ -27,7 +27,7 @@
  * Packed layout (WEIGHT_Q4_I8, WEIGHT_Q4_Q8): gemm_gguf.c's Q4 records (a[32], b[32], then the group's q) with the q bytes
  * of each group reordered from [k][16] to [k / 4][16][4]: byte 4j + i of quad t holds column j (low nibble)
  * and column j + 16 (high nibble) at k = 4t + i, so one 64-byte load gives 16 columns x 4 k's for each half.
- * A k-quant's records may instead come in super-blocks with int8 scales (gemm_common.h's i8_record): the same
+ * A k-quant's records may instead come in super-blocks with int8 scales (gemm_common.h's group_record): the same
  * fp32 a and b, made per group from the super-block's factors, and the same bits.
  */
 #include <math.h>
@@ -52,7 +52,7 @@
 
 #define QGROUP 32
 #define Q4_QBYTES (QGROUP * 16) /* a group's nibbles: 32 k's x 32 columns */
-#define Q4_RECORD (I8_PLAIN_HEADER + Q4_QBYTES)
+#define Q4_RECORD (PLAIN_HEADER + Q4_QBYTES)
 /* Rows sharing each block's loads: 4 rows keep 16 int32 and 8 fp32 accumulators with the scales and the
  * unpacked nibbles in the 32 vector registers (AVX-512). With 16 registers of half the width (AVX2), a row
  * needs twice the vectors: 2 rows (a 9-row call of 896 x 9728 took 2.2 ms against 2.6 with 1 row a pass and
@@ -445,7 +445,7 @@ void int8_quantize_rows(int64_t path, const float *x, int64_t M, int64_t K, int8
 }
 
 /* x: [M, K] fp32 (K a multiple of 32); packed: WEIGHT_Q4_I8 records, plain (supers 0) or in super-blocks of
- * `supers` groups (gemm_common.h's i8_record); bias: [N] or NULL; y: [M, N]; digits: 2 (x to ~15 bits) or 1 (8
+ * `supers` groups (gemm_common.h's group_record); bias: [N] or NULL; y: [M, N]; digits: 2 (x to ~15 bits) or 1 (8
  * bits: half the dot products). Returns 0, or 1 when the activations' buffer cannot be allocated, digits is
  * neither, or the groups are not whole super-blocks. */
 int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N,

@@ -23,7 +23,7 @@ Q4A_TARGET static void Q4A_NAME(gemm_blocks, Q4A_PATH)(const int8_t *xq, const f
                                                        int64_t M, int64_t K, int64_t N, float *acc_all,
                                                        int digits, int supers) {
     const int64_t ng = K / QGROUP, nblocks = (N + BLOCK - 1) / BLOCK;
-    const int64_t block_bytes = i8_block_bytes(ng, Q4_QBYTES, supers), stride = block_bytes / ng;
+    const int64_t block_bytes = records_bytes(ng, Q4_QBYTES, supers), stride = block_bytes / ng;
     const int64_t padded = amx_rows(M), chunk = M < AMX_ROWS ? M : AMX_ROWS;
 #pragma omp parallel if (M * K * N >= (1 << 18))
     {
@@ -47,7 +47,7 @@ Q4A_TARGET static void Q4A_NAME(gemm_blocks, Q4A_PATH)(const int8_t *xq, const f
             for (int64_t g = 0; g < ng; g++) {
                 float made[2 * BLOCK];
                 const float *ab;
-                const uint8_t *q = i8_record(w, g, Q4_QBYTES, supers, made, &ab);
+                const uint8_t *q = group_record(w, g, Q4_QBYTES, supers, made, &ab);
                 for (int line = 0; line < stride; line += 64)
                     __builtin_prefetch(w + (g + I8_PREFETCH) * stride + line);
                 v16 a0, a1, b0, b1;

@@ -39,11 +39,11 @@ Q4_TARGET static inline ALWAYS_INLINE void Q4_NAME(block_rows, Q4_PATH)(
     for (int m = 0; m < rows; m++)
         for (int h = 0; h < 2; h++)
             for (int p = 0; p < Q4_P; p++) acc[m][h][p] = (Q4_F){0};
-    const int64_t ng = K / QGROUP, stride = i8_block_bytes(ng, Q4_QBYTES, supers) / ng; /* bytes a group */
+    const int64_t ng = K / QGROUP, stride = records_bytes(ng, Q4_QBYTES, supers) / ng; /* bytes a group */
     float made[2 * BLOCK];
     for (int64_t g = 0; g < ng; g++) {
         const float *ab;
-        const uint8_t *q = i8_record(w, g, Q4_QBYTES, supers, made, &ab);
+        const uint8_t *q = group_record(w, g, Q4_QBYTES, supers, made, &ab);
         for (int line = 0; line < stride; line += 64) __builtin_prefetch(w + (g + I8_PREFETCH) * stride + line);
         Q4_ACC hi[Q4_ROWS][2][Q4_P], lo[Q4_ROWS][2][Q4_P]; /* per row, half and part: sums of q_w * hi, q_w * lo */
         for (int m = 0; m < rows; m++)
@@ -90,7 +90,7 @@ Q4_TARGET static void Q4_NAME(gemm_blocks, Q4_PATH)(const int8_t *xq, const floa
                                                     const uint8_t *packed, const float *bias, float *y, int64_t M,
                                                     int64_t K, int64_t N, int digits, int supers) {
     const int64_t ng = K / QGROUP, nblocks = (N + BLOCK - 1) / BLOCK;
-    const int64_t block_bytes = i8_block_bytes(ng, Q4_QBYTES, supers);
+    const int64_t block_bytes = records_bytes(ng, Q4_QBYTES, supers);
 #pragma omp parallel for schedule(static) if (M * K * N >= (1 << 18))
     for (int64_t b = 0; b < nblocks; b++) {
         const uint8_t *w = packed + b * block_bytes;

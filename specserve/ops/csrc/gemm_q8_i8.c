@@ -21,7 +21,7 @@
  * Packed layout (WEIGHT_Q8_I8, two digits; WEIGHT_Q8_Q8, one): gemm_gguf.c's Q8 records (a[32], b[32], then the
  * group's q) with the q bytes of each group as u and reordered from [k][32] to [k / 4][32][4]: byte 4j + i of
  * quad t holds column j at k = 4t + i, so one 64-byte load gives 16 columns x 4 k's. The same bytes as the Q8
- * layout. A k-quant's records may instead come in super-blocks with int8 scales (gemm_common.h's i8_record).
+ * layout. A k-quant's records may instead come in super-blocks with int8 scales (gemm_common.h's group_record).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -208,13 +208,13 @@ static void group_sums(int8_t *digits, int16_t *wide, const float *unit, float *
 }
 
 /* x: [M, K] fp32 (K a multiple of 32); packed: WEIGHT_Q8_I8 records of G = 16 or 32 k's, plain or in
- * super-blocks of S groups (group_field = G | S << 8, gemm_common.h's i8_record); bias: [N] or NULL; y: [M, N];
+ * super-blocks of S groups (group_field = G | S << 8, gemm_common.h's group_record); bias: [N] or NULL; y: [M, N];
  * digits: 2 (x to ~15 bits) or 1 (8 bits). Returns 0, or 1 when the buffer cannot be allocated or an argument
  * is outside these. */
 int gemm_q8_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
                int64_t group_field, int64_t digits) {
-    const int64_t group = I8_GROUP(group_field);
-    const int supers = I8_SUPERS(group_field);
+    const int64_t group = RECORD_GROUP(group_field);
+    const int supers = RECORD_SUPERS(group_field);
     if ((digits != 1 && digits != 2) || (group != 16 && group != 32) || K % QGROUP || supers < 0 ||
         (supers && (K / group) % supers))
         return 1;

@@ -13,11 +13,11 @@ Q8_TARGET static inline ALWAYS_INLINE void Q8_NAME(block_rows, Q8_PATH)(
     const float *bias, const int rows, const int G, const int digits, const int supers) {
     float acc[Q8_ROWS][BLOCK] __attribute__((aligned(64)));
     memset(acc, 0, sizeof acc);
-    const int64_t ngw = x->K / G, stride = i8_block_bytes(ngw, G * BLOCK, supers) / ngw; /* bytes a group */
+    const int64_t ngw = x->K / G, stride = records_bytes(ngw, G * BLOCK, supers) / ngw; /* bytes a group */
     float made[2 * BLOCK];
     for (int64_t g = 0; g < ngw; g++) {
         const float *ab;
-        const uint8_t *q = i8_record(w, g, G * BLOCK, supers, made, &ab);
+        const uint8_t *q = group_record(w, g, G * BLOCK, supers, made, &ab);
         for (int64_t line = 0; line < stride; line += 64) __builtin_prefetch(w + g * stride + Q8_PREFETCH + line);
         Q8_GROUP(ab, q, x, m0, g, acc, rows, G, digits);
     }
@@ -45,7 +45,7 @@ Q8_TARGET static inline ALWAYS_INLINE void Q8_NAME(block, Q8_PATH)(const uint8_t
 Q8_TARGET static void Q8_NAME(gemm_blocks, Q8_PATH)(const q8_rows_t *x, const uint8_t *packed, const float *bias,
                                                     float *y, int64_t M, int64_t N, int G, int digits,
                                                     int supers) {
-    const int64_t K = x->K, nblocks = (N + BLOCK - 1) / BLOCK, block_bytes = i8_block_bytes(K / G, G * BLOCK, supers);
+    const int64_t K = x->K, nblocks = (N + BLOCK - 1) / BLOCK, block_bytes = records_bytes(K / G, G * BLOCK, supers);
 #pragma omp parallel for schedule(static) if (M * K * N >= (1 << 18))
     for (int64_t b = 0; b < nblocks; b++) {
         const uint8_t *w = packed + b * block_bytes;

@@ -27,7 +27,7 @@ void store_kv(void *k_cache, void *v_cache, int64_t kv_dtype, int64_t slot, cons
  * group: k's per scale record. WEIGHT_Q4_I8 and WEIGHT_Q4_Q8 (group 32 only, the same layout), WEIGHT_Q8_I8
  * and WEIGHT_Q8_Q8 (group 16 or 32, the same layout) multiply int8-quantized activations, as two int8 digits
  * (~15 bits) or one (llama.cpp's Q8_0 activations); their group may be G | S << 8, records in super-blocks of S
- * groups with int8 scales (gemm_common.h's i8_record). */
+ * groups with int8 scales (gemm_common.h's group_record). */
 enum {
     WEIGHT_F32 = 0,
     WEIGHT_Q4 = 2,

@@ -16,7 +16,7 @@ from specserve.engine.request import Request, RequestStatus, SpecDecodeStats
 from specserve.engine.scheduler import Scheduler, SchedulerConfig
 from specserve.models.gguf_quant import ACTIVATION_DIGITS, int8_activation_weights
 from specserve.models.loader import load_model_weights
-from specserve.ops.heap import trim_heap
+from specserve.ops.heap import mapped_large_allocations, trim_heap
 from specserve.models.registry import build_model
 from specserve.multimodal.processor import MultiModalProcessor
 from specserve.sampling_params import SamplingParams
@@ -46,34 +46,35 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        loaded = load_model_weights(config.model, dtype=config.torch_dtype, keep_quantized=config.keep_gguf_blocks)
-        if config.keep_gguf_blocks and config.gguf_compute in ACTIVATION_DIGITS:
-            loaded.state_dict = int8_activation_weights(loaded.state_dict, ACTIVATION_DIGITS[config.gguf_compute])
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
-        if config.tensor_parallel_size > 1:  # rank 0's shard, its workers started (specserve/distributed)
-            from specserve.distributed.model import start_tensor_parallel
+        with mapped_large_allocations():  # no freed heap between the weights' copies (ops/heap.py)
+            loaded = load_model_weights(config.model, dtype=config.torch_dtype, keep_quantized=config.keep_gguf_blocks)
+            if config.keep_gguf_blocks and config.gguf_compute in ACTIVATION_DIGITS:
+                loaded.state_dict = int8_activation_weights(loaded.state_dict, ACTIVATION_DIGITS[config.gguf_compute])
+            self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
+            if config.tensor_parallel_size > 1:  # rank 0's shard, its workers started (specserve/distributed)
+                from specserve.distributed.model import start_tensor_parallel
 
-            self.model = start_tensor_parallel(config, loaded)
-        else:
-            self.model = build_model(loaded.config, loaded.state_dict, dtype=config.torch_dtype,
-                                     weight_dtype=config.linear_weight_dtype)
-        self.hf_config = loaded.config
-        self.max_model_len = self._max_model_len()
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer is not None
-                                       else _config_eos_ids(loaded.config))
-        self._grammar_compiler = None  # built on the first structured-output request
-        self._grammar_compiler_lock = threading.Lock()
-        self.mm_processor = MultiModalProcessor(
-            loaded.config, config.model, getattr(self.model, "vision", None) is not None,
-            config.limit_mm_per_prompt, config.mm_processor_kwargs)
-        bytes_per_weight = getattr(self.model, "linear_bytes_per_weight", None)
-        self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config, config.model,
-                                                        bytes_per_weight() if bytes_per_weight else None)
-                            if config.speculative_config else None)
-        self.runner = ModelRunner(self.model, config.block_size, set(self.eos_token_ids), self.max_model_len,
-                                  self.spec_config, config.linear_weight_dtype,
-                                  config.gguf_compute if config.keep_gguf_blocks else None, config.kv_cache_dtype)
-        del loaded
+                self.model = start_tensor_parallel(config, loaded)
+            else:
+                self.model = build_model(loaded.config, loaded.state_dict, dtype=config.torch_dtype,
+                                         weight_dtype=config.linear_weight_dtype)
+            self.hf_config = loaded.config
+            self.max_model_len = self._max_model_len()
+            self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer is not None
+                                           else _config_eos_ids(loaded.config))
+            self._grammar_compiler = None  # built on the first structured-output request
+            self._grammar_compiler_lock = threading.Lock()
+            self.mm_processor = MultiModalProcessor(
+                loaded.config, config.model, getattr(self.model, "vision", None) is not None,
+                config.limit_mm_per_prompt, config.mm_processor_kwargs)
+            bytes_per_weight = getattr(self.model, "linear_bytes_per_weight", None)
+            self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config, config.model,
+                                                            bytes_per_weight() if bytes_per_weight else None)
+                                if config.speculative_config else None)
+            self.runner = ModelRunner(self.model, config.block_size, set(self.eos_token_ids), self.max_model_len,
+                                      self.spec_config, config.linear_weight_dtype,
+                                      config.gguf_compute if config.keep_gguf_blocks else None, config.kv_cache_dtype)
+            del loaded
         trim_heap()  # what building the models freed, before the KV cache is allocated beside them
         num_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks, self.num_window_blocks)

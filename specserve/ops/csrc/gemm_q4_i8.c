@@ -475,7 +475,9 @@ int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *
 #if INT8_AMX_BUILT
         case INT8_AMX: gemm_blocks_amx(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits, s); break;
 #endif
-        case INT8_AMX_EMULATED: gemm_blocks_amx_emulated(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits, s); break;
+        case INT8_AMX_EMULATED:
+            gemm_blocks_amx_emulated(xq, xu, xs, packed, bias, y, M, K, N, acc, (int)digits, s);
+            break;
         case INT8_VNNI: gemm_blocks_vnni(xq, xu, xs, packed, bias, y, M, K, N, (int)digits, s); break;
         case INT8_AVX2: gemm_blocks_avx2(xq, xu, xs, packed, bias, y, M, K, N, (int)digits, s); break;
 #endif

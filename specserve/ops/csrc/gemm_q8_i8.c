@@ -68,8 +68,9 @@ static inline ALWAYS_INLINE void store_acc(float acc[][BLOCK], float *y, int64_t
 
 /* ---- the portable path: plain C (vectorized as the build's flags allow) ---- */
 
-static inline ALWAYS_INLINE void group_portable(const float *ab, const uint8_t *q, const q8_rows_t *x, int64_t m0, int64_t g,
-                                                float acc[][BLOCK], const int rows, const int G, const int digits) {
+static inline ALWAYS_INLINE void group_portable(const float *ab, const uint8_t *q, const q8_rows_t *x, int64_t m0,
+                                                int64_t g, float acc[][BLOCK], const int rows, const int G,
+                                                const int digits) {
     (void)digits;
     for (int m = 0; m < rows; m++) {
         const int16_t *xs = x->wide + (m0 + m) * x->K + g * G;
@@ -105,9 +106,9 @@ static inline ALWAYS_INLINE void group_portable(const float *ab, const uint8_t *
 #if defined(__x86_64__)
 /* ---- AVX2: vpmaddwd of the zero-extended weights and 256 hi + lo, per slice of 8 columns ---- */
 
-TARGET_AVX2 static inline ALWAYS_INLINE void group_avx2(const float *ab, const uint8_t *q, const q8_rows_t *x, int64_t m0,
-                                                        int64_t g, float acc[][BLOCK], const int rows, const int G,
-                                                        const int digits) {
+TARGET_AVX2 static inline ALWAYS_INLINE void group_avx2(const float *ab, const uint8_t *q, const q8_rows_t *x,
+                                                        int64_t m0, int64_t g, float acc[][BLOCK], const int rows,
+                                                        const int G, const int digits) {
     (void)digits;
     for (int slice = 0; slice < BLOCK / 8; slice++) {
         /* per row: columns 0-3 and 4-7 of the slice, each column's two int32 lanes its k's 4t, 4t + 1 and
@@ -147,9 +148,9 @@ TARGET_AVX2 static inline ALWAYS_INLINE void group_avx2(const float *ab, const u
 
 /* ---- AVX512-VNNI: vpdpbusd of the weights and each digit ---- */
 
-TARGET_VNNI static inline ALWAYS_INLINE void group_vnni(const float *ab, const uint8_t *q, const q8_rows_t *x, int64_t m0,
-                                                        int64_t g, float acc[][BLOCK], const int rows, const int G,
-                                                        const int digits) {
+TARGET_VNNI static inline ALWAYS_INLINE void group_vnni(const float *ab, const uint8_t *q, const q8_rows_t *x,
+                                                        int64_t m0, int64_t g, float acc[][BLOCK], const int rows,
+                                                        const int G, const int digits) {
     const int64_t K = x->K;
     __m512i hi[Q8_ROWS][2], lo[Q8_ROWS][2];
     for (int m = 0; m < rows; m++) hi[m][0] = hi[m][1] = lo[m][0] = lo[m][1] = _mm512_setzero_si512();

@@ -7,7 +7,10 @@ small integer scales, exact in fp32); `QuantizedWeight.pack` lays them out for t
 output columns, per group, a[32] and b[32] then the group's q, 4 bits a value (Q4: q in 0..15) or 8 (Q8).
 Because a * q is exact, a * q + b rounds once, so the kernel's in-register values, `dequantize()` and the
 gguf package's dequantizer agree value for value (Q4_0's zero weights can differ in sign, which no sum
-sees). F16 weights keep their halves in the fp32 GEMM's block layout.
+sees). A k-quant's a and b are its super-block's fp16 scales times small integers: `in_super_blocks` keeps them
+so (int8 per group, fp32 per super-block of 256 k's; csrc/gemm_common.h's group_record), the same values in fewer
+bytes, and loading a file does it wherever the scales factor exactly. F16 weights keep their halves in the fp32
+GEMM's block layout.
 
 `QuantizedWeight.for_int8_activations()` turns a 4-bit weight (groups of 32) into the layout of
 csrc/gemm_q4_i8.c and an 8-bit one (groups of 32 or 16) into that of csrc/gemm_q8_i8.c, which write each input
@@ -166,7 +169,7 @@ class QuantizedWeight:
     group: int
     shape: tuple[int, int]
     qtype: str
-    supers: int = 0  # int8-activation layouts: groups per super-block with int8 scales (0: fp32 a, b per group)
+    supers: int = 0  # groups per super-block whose scales are int8 (0: fp32 a, b in every group record)
 
     # ------------------------------------------------------------------ construction
 

@@ -134,8 +134,8 @@ static inline __attribute__((always_inline)) void load_block(vf w[NV], const flo
 }
 
 /* The group records of the GGUF-block layouts (gemm_gguf.c, gemm_q4_i8.c, gemm_q8_i8.c). A weight's `group` is
- * G | S << 8. With S = 0 each record is a[32], b[32] (fp32) and then the group's q bytes. With S > 0 (the
- * k-quants: Q4_K's super-blocks of 8 groups of 32, Q6_K's of 16 groups of 16) every S records follow the
+ * G | S << 8. With S = 0 each record is a[32], b[32] (fp32) and then the group's q bytes. With S > 0 (a power
+ * of two; the k-quants: Q4_K's super-blocks of 8 groups of 32, Q6_K's of 16 groups of 16) every S records follow the
  * super-block's fp32 factors D[32], E[32], and each record is sc[32], mn[32] (int8) and then its q bytes, with
  * a = D * sc and b = E * mn: the file's fp16 scale times a small integer, an exact product, so the same fp32
  * a and b as the plain records hold, in 64 + q bytes a group instead of 256 + q (Q4_K: 4.75 bits a weight
@@ -151,23 +151,55 @@ static inline int64_t records_bytes(int64_t groups, int64_t qbytes, int supers) 
     return groups / supers * PLAIN_HEADER + groups * (SMALL_HEADER + qbytes);
 }
 
+/* The super-block holding group g (supers, a power of two: the kernels refuse others; shifts, not divisions,
+ * in the groups' loops). */
+static inline __attribute__((always_inline)) const uint8_t *group_super(const uint8_t *block, int64_t g,
+                                                                        int64_t qbytes, int supers) {
+    return block + (g >> __builtin_ctz(supers)) * (PLAIN_HEADER + supers * (SMALL_HEADER + qbytes));
+}
+
+/* Group g's q bytes in a block. */
+static inline __attribute__((always_inline)) const uint8_t *group_q(const uint8_t *block, int64_t g, int64_t qbytes,
+                                                                    int supers) {
+    if (!supers) return block + g * (PLAIN_HEADER + qbytes) + PLAIN_HEADER;
+    const int64_t within = g & (supers - 1);
+    return group_super(block, g, qbytes, supers) + PLAIN_HEADER + within * (SMALL_HEADER + qbytes) + SMALL_HEADER;
+}
+
+/* The a[32], b[32] of a group in a super-block, made from its factors and its int8 scales (q: group_q). */
+static inline __attribute__((always_inline)) void make_scales(const uint8_t *block, int64_t g, const uint8_t *q,
+                                                              int64_t qbytes, int supers, float *ab) {
+    const float *factors = (const float *)group_super(block, g, qbytes, supers);
+    const int8_t *small = (const int8_t *)(q - SMALL_HEADER);
+    for (int j = 0; j < 2 * BLOCK; j += VLEN) { /* widen: the vector instructions, not GCC's lane-by-lane code */
+        vf f;
+        memcpy(&f, factors + j, sizeof f);
+        f *= widen(small + j);
+        memcpy(ab + j, &f, sizeof f);
+    }
+}
+
 /* Group g of a block: returns its q bytes and points *ab at its a[32], b[32], the record's own or made in
  * buf[64] from the super-block's factors. */
 static inline __attribute__((always_inline)) const uint8_t *group_record(const uint8_t *block, int64_t g,
                                                                       int64_t qbytes, int supers, float *buf,
                                                                       const float **ab) {
+    const uint8_t *q = group_q(block, g, qbytes, supers);
     if (!supers) {
-        const uint8_t *rec = block + g * (PLAIN_HEADER + qbytes);
-        *ab = (const float *)rec;
-        return rec + PLAIN_HEADER;
+        *ab = (const float *)(q - PLAIN_HEADER);
+    } else {
+        make_scales(block, g, q, qbytes, supers, buf);
+        *ab = buf;
     }
-    const uint8_t *super = block + (g / supers) * (PLAIN_HEADER + supers * (SMALL_HEADER + qbytes));
-    const uint8_t *rec = super + PLAIN_HEADER + (g % supers) * (SMALL_HEADER + qbytes);
-    float factors[2 * BLOCK];
-    memcpy(factors, super, sizeof factors);
-    for (int j = 0; j < 2 * BLOCK; j++) buf[j] = factors[j] * (float)(int8_t)rec[j];
-    *ab = buf;
-    return rec + SMALL_HEADER;
+    return q;
+}
+
+/* Every group's a[32], b[32] of a block in super-blocks into scales[ng][64]: made once where a kernel passes
+ * over the block's groups once per few rows. */
+static inline __attribute__((always_inline)) void block_scales(const uint8_t *block, int64_t ng, int64_t qbytes,
+                                                               int supers, float *scales) {
+    for (int64_t g = 0; g < ng; g++)
+        make_scales(block, g, group_q(block, g, qbytes, supers), qbytes, supers, scales + g * 2 * BLOCK);
 }
 
 #endif

@@ -215,7 +215,7 @@ int gemm_weight(const float *x, const weight_t *w, const float *bias, float *y, 
         case WEIGHT_Q8: {
             const int64_t G = RECORD_GROUP(w->group);
             const int supers = RECORD_SUPERS(w->group);
-            if ((G != 16 && G != 32) || (supers && (K / G) % supers)) return 1;
+            if ((G != 16 && G != 32) || (supers & (supers - 1)) || (supers && (K / G) % supers)) return 1;
             const int q4 = w->format == WEIGHT_Q4;
             if (G == 32) (q4 ? gemm_q4_g32 : gemm_q8_g32)(x, w->data, bias, y, M, K, N, supers);
             else (q4 ? gemm_q4_g16 : gemm_q8_g16)(x, w->data, bias, y, M, K, N, supers);

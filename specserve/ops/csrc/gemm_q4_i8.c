@@ -450,7 +450,8 @@ void int8_quantize_rows(int64_t path, const float *x, int64_t M, int64_t K, int8
  * neither, or the groups are not whole super-blocks. */
 int gemm_q4_i8(const float *x, const uint8_t *packed, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
                int64_t digits, int64_t supers) {
-    if ((digits != 1 && digits != 2) || supers < 0 || (supers && (K / QGROUP) % supers)) return 1;
+    if ((digits != 1 && digits != 2) || supers < 0 || (supers & (supers - 1)) || (supers && (K / QGROUP) % supers))
+        return 1;
     const int path = int8_path_for(INT8_GEMM, M);
     const int64_t ng = K / QGROUP;
 #if defined(Q4_X86)

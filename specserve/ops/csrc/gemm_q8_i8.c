@@ -217,7 +217,7 @@ int gemm_q8_i8(const float *x, const uint8_t *packed, const float *bias, float *
     const int64_t group = RECORD_GROUP(group_field);
     const int supers = RECORD_SUPERS(group_field);
     if ((digits != 1 && digits != 2) || (group != 16 && group != 32) || K % QGROUP || supers < 0 ||
-        (supers && (K / group) % supers))
+        (supers & (supers - 1)) || (supers && (K / group) % supers))
         return 1;
     const int path = int8_path_for(INT8_GEMM_Q8, M);
     const int64_t ng = K / QGROUP, ngw = K / group;

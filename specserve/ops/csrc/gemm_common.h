@@ -194,12 +194,4 @@ static inline __attribute__((always_inline)) const uint8_t *group_record(const u
     return q;
 }
 
-/* Every group's a[32], b[32] of a block in super-blocks into scales[ng][64]: made once where a kernel passes
- * over the block's groups once per few rows. */
-static inline __attribute__((always_inline)) void block_scales(const uint8_t *block, int64_t ng, int64_t qbytes,
-                                                               int supers, float *scales) {
-    for (int64_t g = 0; g < ng; g++)
-        make_scales(block, g, group_q(block, g, qbytes, supers), qbytes, supers, scales + g * 2 * BLOCK);
-}
-
 #endif

@@ -34,7 +34,7 @@ Q4_TARGET static void Q4_NAME(quantize_rows, Q4_PATH)(const float *x, int64_t M,
 Q4_TARGET static inline ALWAYS_INLINE void Q4_NAME(block_rows, Q4_PATH)(
     const uint8_t *restrict w, const int8_t *restrict xq, const float *restrict xu, const float *restrict xs,
     int64_t K, float *restrict y, int64_t N, int64_t ncols, const float *bias, const int rows, const int digits,
-    const int supers, const float *restrict scales) {
+    const int supers, float *restrict scales, const int make) {
     Q4_F acc[Q4_ROWS][2][Q4_P];
     for (int m = 0; m < rows; m++)
         for (int h = 0; h < 2; h++)
@@ -42,9 +42,16 @@ Q4_TARGET static inline ALWAYS_INLINE void Q4_NAME(block_rows, Q4_PATH)(
     const int64_t ng = K / QGROUP, stride = records_bytes(ng, Q4_QBYTES, supers) / ng; /* bytes a group */
     float made[2 * BLOCK];
     for (int64_t g = 0; g < ng; g++) {
-        const float *ab; /* from the block's scales where gemm_blocks made them, else from the record */
-        const uint8_t *q = scales ? group_q(w, g, Q4_QBYTES, supers) : group_record(w, g, Q4_QBYTES, supers, made, &ab);
-        if (scales) ab = scales + g * 2 * BLOCK;
+        /* a, b: the record's own, or made here (into the block's scales on its first pass, which later passes
+         * read) */
+        const float *ab;
+        const uint8_t *q;
+        if (scales && !make) {
+            q = group_q(w, g, Q4_QBYTES, supers);
+            ab = scales + g * 2 * BLOCK;
+        } else {
+            q = group_record(w, g, Q4_QBYTES, supers, scales ? scales + g * 2 * BLOCK : made, &ab);
+        }
         for (int line = 0; line < stride; line += 64) __builtin_prefetch(w + (g + I8_PREFETCH) * stride + line);
         Q4_ACC hi[Q4_ROWS][2][Q4_P], lo[Q4_ROWS][2][Q4_P]; /* per row, half and part: sums of q_w * hi, q_w * lo */
         for (int m = 0; m < rows; m++)
@@ -92,7 +99,7 @@ Q4_TARGET static void Q4_NAME(gemm_blocks, Q4_PATH)(const int8_t *xq, const floa
                                                     int64_t K, int64_t N, int digits, int supers) {
     const int64_t ng = K / QGROUP, nblocks = (N + BLOCK - 1) / BLOCK;
     const int64_t block_bytes = records_bytes(ng, Q4_QBYTES, supers);
-    /* a block in super-blocks that takes more than one pass: its scales made once, not once a pass */
+    /* a block in super-blocks that takes more than one pass: its scales made on the first, not on each */
     const int once = supers && M > Q4_ROWS;
 #pragma omp parallel if (M * K * N >= (1 << 18))
     {
@@ -102,11 +109,10 @@ Q4_TARGET static void Q4_NAME(gemm_blocks, Q4_PATH)(const int8_t *xq, const floa
             const uint8_t *w = packed + b * block_bytes;
             const int64_t col = b * BLOCK, ncols = N - col < BLOCK ? N - col : BLOCK;
             const float *bb = bias ? bias + col : NULL;
-            if (scales) block_scales(w, ng, Q4_QBYTES, supers, scales);
             int64_t m = 0;
 #define CALL_I8(rows, digits)                                                                                \
     Q4_NAME(block_rows, Q4_PATH)(w, xq + 2 * m * K, xu + m * ng, xs + m * ng, K, y + m * N + col, N, ncols, bb, \
-                                 rows, digits, supers, scales)
+                                 rows, digits, supers, scales, m == 0)
 #define ROWS_I8(digits)                                                      \
     for (; m + Q4_ROWS <= M; m += Q4_ROWS) CALL_I8(Q4_ROWS, digits);         \
     switch (M - m) {                                                         \

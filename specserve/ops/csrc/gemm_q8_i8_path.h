@@ -10,15 +10,23 @@
 /* One block of 32 columns for `rows` rows (from row m0), weight group by weight group. */
 Q8_TARGET static inline ALWAYS_INLINE void Q8_NAME(block_rows, Q8_PATH)(
     const uint8_t *restrict w, const q8_rows_t *restrict x, int64_t m0, float *restrict y, int64_t N, int64_t ncols,
-    const float *bias, const int rows, const int G, const int digits, const int supers, const float *restrict scales) {
+    const float *bias, const int rows, const int G, const int digits, const int supers, float *restrict scales,
+    const int make) {
     float acc[Q8_ROWS][BLOCK] __attribute__((aligned(64)));
     memset(acc, 0, sizeof acc);
     const int64_t ngw = x->K / G, stride = records_bytes(ngw, G * BLOCK, supers) / ngw; /* bytes a group */
     float made[2 * BLOCK];
     for (int64_t g = 0; g < ngw; g++) {
-        const float *ab; /* from the block's scales where gemm_blocks made them, else from the record */
-        const uint8_t *q = scales ? group_q(w, g, G * BLOCK, supers) : group_record(w, g, G * BLOCK, supers, made, &ab);
-        if (scales) ab = scales + g * 2 * BLOCK;
+        /* a, b: the record's own, or made here (into the block's scales on its first pass, which later passes
+         * read) */
+        const float *ab;
+        const uint8_t *q;
+        if (scales && !make) {
+            q = group_q(w, g, G * BLOCK, supers);
+            ab = scales + g * 2 * BLOCK;
+        } else {
+            q = group_record(w, g, G * BLOCK, supers, scales ? scales + g * 2 * BLOCK : made, &ab);
+        }
         for (int64_t line = 0; line < stride; line += 64) __builtin_prefetch(w + g * stride + Q8_PREFETCH + line);
         Q8_GROUP(ab, q, x, m0, g, acc, rows, G, digits);
     }
@@ -29,9 +37,10 @@ Q8_TARGET static inline ALWAYS_INLINE void Q8_NAME(block_rows, Q8_PATH)(
 Q8_TARGET static inline ALWAYS_INLINE void Q8_NAME(block, Q8_PATH)(const uint8_t *w, const q8_rows_t *x, int64_t M,
                                                                     float *y, int64_t N, int64_t ncols,
                                                                     const float *bias, const int G, const int digits,
-                                                                    const int supers, const float *scales) {
+                                                                    const int supers, float *scales) {
     int64_t m = 0;
-#define CALL_Q8(rows) Q8_NAME(block_rows, Q8_PATH)(w, x, m, y + m * N, N, ncols, bias, rows, G, digits, supers, scales)
+#define CALL_Q8(rows) \
+    Q8_NAME(block_rows, Q8_PATH)(w, x, m, y + m * N, N, ncols, bias, rows, G, digits, supers, scales, m == 0)
     for (; m + Q8_ROWS <= M; m += Q8_ROWS) CALL_Q8(Q8_ROWS);
     switch (M - m) {
         case 1: CALL_Q8(1); break;
@@ -47,7 +56,7 @@ Q8_TARGET static void Q8_NAME(gemm_blocks, Q8_PATH)(const q8_rows_t *x, const ui
                                                     float *y, int64_t M, int64_t N, int G, int digits,
                                                     int supers) {
     const int64_t K = x->K, nblocks = (N + BLOCK - 1) / BLOCK, block_bytes = records_bytes(K / G, G * BLOCK, supers);
-    /* a block in super-blocks that takes more than one pass: its scales made once, not once a pass */
+    /* a block in super-blocks that takes more than one pass: its scales made on the first, not on each */
     const int once = supers && M > Q8_ROWS;
 #pragma omp parallel if (M * K * N >= (1 << 18))
     {
@@ -57,7 +66,6 @@ Q8_TARGET static void Q8_NAME(gemm_blocks, Q8_PATH)(const q8_rows_t *x, const ui
             const uint8_t *w = packed + b * block_bytes;
             const int64_t col = b * BLOCK, ncols = N - col < BLOCK ? N - col : BLOCK;
             const float *bb = bias ? bias + col : NULL;
-            if (scales) block_scales(w, K / G, G * BLOCK, supers, scales);
             if (G == 32 && digits == 2) Q8_NAME(block, Q8_PATH)(w, x, M, y + col, N, ncols, bb, 32, 2, supers, scales);
             else if (G == 32) Q8_NAME(block, Q8_PATH)(w, x, M, y + col, N, ncols, bb, 32, 1, supers, scales);
             else if (digits == 2) Q8_NAME(block, Q8_PATH)(w, x, M, y + col, N, ncols, bb, 16, 2, supers, scales);

@@ -7,8 +7,12 @@ import argparse
 import json
 import os
 import platform
+import signal
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -311,3 +315,60 @@ def teacher_forced_logits(model, tokens):
     with torch.inference_mode():
         hidden, _ = model.forward(tokens, torch.arange(len(tokens)), meta, caches)
         return model.compute_logits(hidden)
+
+
+class ServerProcess:
+    """An HTTP server command in a subprocess on a free loopback port (`port_flag PORT` appended), its output in
+    a temporary log file; `url` is its base URL once GET /health answers 200. A context manager that stops it."""
+
+    def __init__(self, cmd: list[str], port_flag: str = "--port", log_prefix: str = "server-",
+                 env: dict | None = None, startup_timeout_s: float = 300) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=log_prefix, suffix=".log", delete=False)
+        self.proc = subprocess.Popen([*cmd, port_flag, str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env)
+        self._wait_healthy(startup_timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} ({self.log.name}):\n"
+                                   f"{self.log_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"the server was not healthy after {timeout_s:.0f} s ({self.log.name}):\n"
+                           f"{self.log_text()[-4000:]}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, then SIGKILL if it has not exited after `timeout` seconds; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,6 +1,7 @@
-"""llama.cpp (llama-cpp-python, the `llamacpp` extra) as a batch-1 baseline for `specserve bench latency`.
+"""llama.cpp as a baseline: llama-cpp-python (the `llamacpp` extra) at batch 1 for `specserve bench latency`, and
+llama.cpp's own `llama-server` under load for `specserve bench serve --llama-server` (launch_llama_server).
 
-It runs the same GGUF file on the same prompt token ids, greedy (top-k 1, no repetition penalty), plain and
+At batch 1 it runs the same GGUF file on the same prompt token ids, greedy (top-k 1, no repetition penalty), plain and
 with its prompt-lookup drafter, one request at a time with its KV cache cleared before each prompt (every
 prompt fully prefilled, as specserve's runs are). The generator yields tokens as they are decided, so time
 to first token and decode time come from the same run; EOS does not stop it, so every request makes
@@ -11,9 +12,12 @@ from __future__ import annotations
 
 import time
 
-from specserve.bench.common import BenchPrompt, Stopwatch
+from specserve.bench.common import BenchPrompt, ServerProcess, Stopwatch
 
 LLAMACPP_PLAIN, LLAMACPP_PROMPT_LOOKUP = "llamacpp_plain", "llamacpp_prompt_lookup"
+LLAMA_SERVER = "llama-server"
+# EngineConfig.kv_cache_dtype -> llama.cpp's KV cache type of as many bits (its default is f16)
+LLAMA_KV_TYPES = {"auto": "f32", "bfloat16": "bf16", "int8": "q8_0"}
 PROMPT_LOOKUP_TOKENS = 10  # as the transformers baseline and ANCHORS.md
 
 
@@ -65,3 +69,24 @@ def generate_timed(llm, prompt: BenchPrompt, max_tokens: int, method: str):
     end = time.perf_counter()
     return RequestTiming(method, prompt.category, prompt.question_id, len(prompt.token_ids), ttft_s=first - start,
                          decode_s=end - first, total_s=end - start, token_ids=token_ids)
+
+
+def llama_server_command(binary: str, model_file: str, slots: int, threads: int, slot_tokens: int,
+                         kv_cache_dtype: str) -> list[str]:
+    """llama-server on `model_file` with `slots` sequences decoded together (continuous batching), each with
+    room for `slot_tokens`, on `threads` threads, the KV cache in LLAMA_KV_TYPES[kv_cache_dtype]; a quantized
+    V cache needs its flash attention, which is then on for every type."""
+    if kv_cache_dtype not in LLAMA_KV_TYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(LLAMA_KV_TYPES)} for llama-server, "
+                         f"got {kv_cache_dtype!r}")
+    kv = LLAMA_KV_TYPES[kv_cache_dtype]
+    return [binary, "--model", str(model_file), "--parallel", str(slots), "--cont-batching",
+            "--ctx-size", str(slots * slot_tokens), "--threads", str(threads), "--threads-batch", str(threads),
+            "--cache-type-k", kv, "--cache-type-v", kv, "--flash-attn", "on", "--host", "127.0.0.1"]
+
+
+def launch_llama_server(binary: str, model_file: str, slots: int, threads: int, slot_tokens: int,
+                        kv_cache_dtype: str, log) -> ServerProcess:
+    cmd = llama_server_command(binary, model_file, slots, threads, slot_tokens, kv_cache_dtype)
+    log(f"starting {' '.join(cmd)}")
+    return ServerProcess(cmd, "--port", "llama-server-")

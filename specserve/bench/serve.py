@@ -1,26 +1,26 @@
-"""`specserve bench serve`: N concurrent streaming chat clients over Spec-Bench prompts against the
-OpenAI-compatible server, with speculation on and off (per request), reporting throughput, TTFT, TPOT and
-inter-chunk latency percentiles.
+"""`specserve bench serve`: N concurrent streaming clients over Spec-Bench prompts against the OpenAI-compatible
+server, with speculation on and off (per request), at one or more levels of N, reporting throughput, TTFT, TPOT
+and inter-chunk latency percentiles; with --llama-server, llama.cpp's server on the same GGUF file and the same
+prompt token ids beside it (specserve.bench.llamacpp.LlamaServer).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
 from specserve.bench.common import (
-    add_dataset_args, environment_info, format_table, read_specbench, safe_div, select_spread, write_json)
+    ServerProcess, add_dataset_args, environment_info, format_table, read_specbench, render_prompts, safe_div,
+    select_spread, write_json)
+from specserve.bench.llamacpp import LLAMA_SERVER, launch_llama_server
 
 DEFAULT_OUTPUT = "bench_results/serve.json"
 DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
-STARTUP_TIMEOUT_S = 300
 PERCENTILES = (50, 90, 99)
+SPECSERVE = "specserve"
 
 
 @dataclass
@@ -54,9 +54,18 @@ def add_parser(bench_sub) -> None:
         description="Stream chat completions for Spec-Bench prompts from --concurrency clients at once, first "
                     "with speculation off (num_speculative_tokens=0 per request) then on (the server's "
                     "speculative_config); greedy, EOS ignored. Without --url a server is started (without "
-                    "prefix caching, so both runs see the prompts cold) and stopped afterwards.")
+                    "prefix caching, so both runs see the prompts cold) and stopped afterwards. With "
+                    "--llama-server, both servers get the same prompt token ids (the chat template applied here) "
+                    "through /v1/completions, and llama.cpp's server runs each level after specserve's.")
     add_dataset_args(p, num_prompts=16, max_tokens=64)
-    p.add_argument("--concurrency", type=int, default=8, help="clients in flight (default: %(default)s)")
+    p.add_argument("--concurrency", default="8",
+                   help="clients in flight, or comma-separated levels run in turn, e.g. 8,16,32 (default: "
+                        "%(default)s)")
+    p.add_argument("--llama-server", metavar="BINARY", default=None,
+                   help="also run llama.cpp's llama-server binary (built from the llama-cpp-python sdist's "
+                        "vendored sources, see the README) on the same GGUF file at each level N: -np N slots "
+                        "with continuous batching, as many threads as specserve, the KV cache type of "
+                        "--kv-cache-dtype (auto: f32, bfloat16: bf16, int8: q8_0), no prompt cache")
     p.add_argument("--url", default=None, help="an already running server, e.g. http://127.0.0.1:8000 (it "
                                                "should have a speculative_config and prefix caching off)")
     p.add_argument("--api-key", default=None, help="bearer token for --url")
@@ -65,36 +74,79 @@ def add_parser(bench_sub) -> None:
     p.set_defaults(func=cmd_serve_bench)
 
 
+def parse_levels(text: str) -> list[int]:
+    """--concurrency: one integer >= 1 or a comma-separated list of them, in the order given."""
+    try:
+        levels = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency must be an integer >= 1 or a comma-separated list of them, got {text!r}")
+    return levels
+
+
 def check_args(args: argparse.Namespace) -> None:
-    for name in ("num_prompts", "max_tokens", "concurrency"):
+    for name in ("num_prompts", "max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    parse_levels(args.concurrency)
+    if args.llama_server and args.url:
+        raise ValueError("--llama-server compares with a specserve server this command starts: drop --url")
 
 
 def cmd_serve_bench(args: argparse.Namespace) -> int:
     check_args(args)
-    questions = [row["turns"][0] for row in select_spread(read_specbench(args.dataset), args.num_prompts)]
+    levels = parse_levels(args.concurrency)
+    rows = select_spread(read_specbench(args.dataset), args.num_prompts)
     env = environment_info()
-    server = None if args.url else LaunchedServer(args)
+    model_file = prompts = None
+    if args.llama_server:
+        model_file, prompts = llama_server_inputs(args, rows)
+    else:
+        prompts = [row["turns"][0] for row in rows]
+    server = None if args.url else launch_specserve(args, max(levels))
     url = args.url or server.url
+    scenarios = []
     try:
-        _log(f"benchmarking {url}: {len(questions)} prompts, {args.concurrency} clients, "
-             f"{args.max_tokens} tokens each")
-        scenarios = {}
-        for name, extra in (("no_speculation", {"num_speculative_tokens": 0}), ("speculation", {})):
-            records, wall_s = asyncio.run(run_scenario(url, args, questions, extra))
-            scenarios[name] = summarize(records, wall_s, args.concurrency)
-            scenarios[name]["requests"] = [asdict(r) for r in records]
-            _log(f"{name}: {wall_s:.1f} s")
+        for n in levels:
+            _log(f"benchmarking {url}: {len(prompts)} prompts, {n} clients, {args.max_tokens} tokens each")
+            for name, extra in (("no_speculation", {"num_speculative_tokens": 0}), ("speculation", {})):
+                scenarios.append(run_level(url, args, prompts, n, SPECSERVE, name, extra))
+            if args.llama_server:
+                with launch_llama_server(args.llama_server, model_file, n, env["torch_num_threads"],
+                                         max(len(p) for p in prompts) + args.max_tokens + 16,
+                                         args.kv_cache_dtype, _log) as llama:
+                    scenarios.append(run_level(llama.url, args, prompts, n, LLAMA_SERVER, "plain",
+                                               {"cache_prompt": False}))
     finally:
         if server is not None:
             server.stop()
     env["load_average_1m_end"] = environment_info().get("load_average_1m")
-    report = {"benchmark": "serve", "url": args.url, "env": env, "args": _args_json(args),
-              "greedy_agreement": agreement(scenarios), "scenarios": scenarios}
+    report = {"benchmark": "serve", "url": args.url, "model_file": model_file, "env": env,
+              "args": _args_json(args), "scenarios": scenarios, "greedy_agreement": agreements(scenarios)}
     print(format_report(report))
     print(f"\nwrote {write_json(args.output_json, report)}")
     return 0
+
+
+def llama_server_inputs(args: argparse.Namespace, rows: list[dict]) -> tuple[str, list[list[int]]]:
+    """The GGUF file both servers load and each question's prompt token ids (its chat template applied here)."""
+    from specserve.config import resolve_model_name
+    from specserve.models.loader import default_model_path
+    from specserve.tokenizer import load_tokenizer
+
+    model_file = resolve_model_name(args.model) or args.model or default_model_path()
+    if not str(model_file).endswith(".gguf"):
+        raise ValueError(f"--llama-server runs GGUF files only, got --model {args.model}")
+    return model_file, [p.token_ids for p in render_prompts(load_tokenizer(model_file), rows)]
+
+
+def run_level(url: str, args: argparse.Namespace, prompts: list, concurrency: int, server: str, name: str,
+              extra: dict) -> dict:
+    records, wall_s = asyncio.run(run_scenario(url, args, prompts, concurrency, extra))
+    _log(f"{server} {name}, {concurrency} clients: {wall_s:.1f} s")
+    return {"server": server, "name": name, **summarize(records, wall_s, concurrency),
+            "requests": [asdict(r) for r in records]}
 
 
 def _args_json(args: argparse.Namespace) -> dict:
@@ -108,89 +160,59 @@ def _log(message: str) -> None:
 # ---------------------------------------------------------------- the server
 
 
-class LaunchedServer:
-    """`specserve serve` in a subprocess on a free loopback port, with the bench's engine arguments."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        spec = args.speculative_config or DEFAULT_SPECULATIVE_CONFIG
-        cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(port), "--log-level", "warning",
-               "--no-prefix-caching", "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-               "--max-num-seqs", str(max(args.max_num_seqs, args.concurrency)),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-               "--speculative-config", json.dumps(spec)]
-        if args.model:
-            cmd += ["--model", args.model]
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="specserve-bench-server-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        _log(f"started specserve serve (log: {self.log.name}), speculative_config {json.dumps(spec)}")
-        self._wait_healthy()
-
-    def _wait_healthy(self) -> None:
-        import httpx
-
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"the server was not healthy after {STARTUP_TIMEOUT_S} s; see {self.log.name}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def launch_specserve(args: argparse.Namespace, max_concurrency: int) -> ServerProcess:
+    """`specserve serve` on a free loopback port with the bench's engine arguments, prefix caching off."""
+    spec = args.speculative_config or DEFAULT_SPECULATIVE_CONFIG
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--log-level", "warning", "--no-prefix-caching",
+           "--max-num-seqs", str(max(args.max_num_seqs, max_concurrency)), "--speculative-config", json.dumps(spec)]
+    for flag in ("model", "dtype", "gguf_compute", "kv_cache_dtype", "max_model_len", "max_num_batched_tokens",
+                 "kv_cache_memory_bytes"):
+        if getattr(args, flag, None) is not None:
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    _log(f"starting specserve serve, speculative_config {json.dumps(spec)}")
+    return ServerProcess(cmd, "--port", "specserve-bench-server-")
 
 
 # ---------------------------------------------------------------- the clients
 
 
-async def run_scenario(url: str, args: argparse.Namespace, questions: list[str], extra: dict
+async def run_scenario(url: str, args: argparse.Namespace, prompts: list, concurrency: int, extra: dict
                        ) -> tuple[list[RequestRecord], float]:
-    """Every question once, `args.concurrency` at a time; returns the records (in question order) and wall time."""
+    """Every prompt once, `concurrency` at a time; returns the records (in prompt order) and wall time. A prompt
+    is a question (a chat message) or a list of token ids (a completion)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency + 1)
+    limits = httpx.Limits(max_connections=concurrency + 1)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None, limits=limits) as client:
-        await stream_chat(client, -1, questions[0], 4, extra)  # warm-up
+        await asyncio.gather(*(stream(client, -1, prompts[0], 4, extra) for _ in range(concurrency)))  # warm-up
         queue: asyncio.Queue = asyncio.Queue()
-        for item in enumerate(questions):
+        for item in enumerate(prompts):
             queue.put_nowait(item)
         records: list[RequestRecord] = []
 
         async def worker() -> None:
             while not queue.empty():
-                index, question = queue.get_nowait()
-                records.append(await stream_chat(client, index, question, args.max_tokens, extra))
+                index, prompt = queue.get_nowait()
+                records.append(await stream(client, index, prompt, args.max_tokens, extra))
 
         start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall_s = time.perf_counter() - start
     return sorted(records, key=lambda r: r.prompt_index), wall_s
 
 
-async def stream_chat(client, index: int, question: str, max_tokens: int, extra: dict) -> RequestRecord:
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
+async def stream(client, index: int, prompt: str | list[int], max_tokens: int, extra: dict) -> RequestRecord:
+    """One streamed request: a chat completion of a question, or a completion of prompt token ids."""
+    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    if isinstance(prompt, str):
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+    else:
+        path, body["prompt"] = "/v1/completions", list(prompt)
     record = RequestRecord(index)
     start = last = time.perf_counter()
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+    async with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
             return record
@@ -209,7 +231,7 @@ def _absorb(record: RequestRecord, event: dict, start: float, last: float) -> No
     if "error" in event:
         record.error = event["error"].get("message")
     for choice in event.get("choices") or ():
-        content = choice.get("delta", {}).get("content")
+        content = choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content")
         if not content:
             continue
         if not record.text:
@@ -252,34 +274,50 @@ def summarize(records: list[RequestRecord], wall_s: float, concurrency: int) -> 
     }
 
 
-def agreement(scenarios: dict) -> dict:
-    """Greedy outputs with and without speculation must be identical; count how many are."""
-    plain = scenarios["no_speculation"]["requests"]
-    spec = scenarios["speculation"]["requests"]
-    same = sum(a["text"] == b["text"] and a["error"] is None for a, b in zip(plain, spec))
+def agreement(plain: list[dict], other: list[dict]) -> dict:
+    """How many of two runs' greedy outputs (request dicts in prompt order) are the same text."""
+    same = sum(a["text"] == b["text"] and a["error"] is None for a, b in zip(plain, other))
     return {"identical": same, "total": len(plain)}
 
 
+def agreements(scenarios: list[dict]) -> list[dict]:
+    """Per level, each run's outputs against specserve's without speculation: with speculation they must be
+    identical; llama.cpp's differ where its rounding of the activations flips a near tie."""
+    out = []
+    for plain in (s for s in scenarios if s["server"] == SPECSERVE and s["name"] == "no_speculation"):
+        for other in scenarios:
+            if other["concurrency"] == plain["concurrency"] and other is not plain:
+                out.append({"concurrency": plain["concurrency"], "server": other["server"], "name": other["name"],
+                            **agreement(plain["requests"], other["requests"])})
+    return out
+
+
 def format_report(report: dict) -> str:
-    headers = ["scenario", "reqs", "clients", "out tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms",
-               "TPOT p50 ms", "TPOT p99 ms", "ITL p50 ms", "ITL p99 ms", "accept len"]
+    headers = ["server", "scenario", "reqs", "clients", "out tok/s", "x llama-server", "req/s", "TTFT p50 ms",
+               "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "ITL p50 ms", "ITL p99 ms", "accept len"]
+    llama = {s["concurrency"]: s["output_tokens_per_s"] for s in report["scenarios"] if s["server"] == LLAMA_SERVER}
     rows = []
-    for name, s in report["scenarios"].items():
+    for s in report["scenarios"]:
         ms = {k: {p: v * 1000 for p, v in s[k].items()} for k in ("ttft_s", "tpot_s", "inter_chunk_latency_s")}
-        rows.append([name, s["num_requests"] - s["num_failed"], s["concurrency"], s["output_tokens_per_s"],
-                     s["requests_per_s"], ms["ttft_s"]["p50"], ms["ttft_s"]["p99"], ms["tpot_s"]["p50"],
-                     ms["tpot_s"]["p99"], ms["inter_chunk_latency_s"]["p50"], ms["inter_chunk_latency_s"]["p99"],
+        ratio = safe_div(s["output_tokens_per_s"], llama[s["concurrency"]]) if s["concurrency"] in llama else None
+        rows.append([s["server"], s["name"], s["num_requests"] - s["num_failed"], s["concurrency"],
+                     s["output_tokens_per_s"], f"{ratio:.2f}x" if ratio else "-", s["requests_per_s"],
+                     ms["ttft_s"]["p50"], ms["ttft_s"]["p99"], ms["tpot_s"]["p50"], ms["tpot_s"]["p99"],
+                     ms["inter_chunk_latency_s"]["p50"], ms["inter_chunk_latency_s"]["p99"],
                      s["mean_acceptance_length"]])
-    env, agree = report["env"], report["greedy_agreement"]
+    env = report["env"]
     lines = [f"specserve bench serve: {report['args']['num_prompts']} Spec-Bench prompts, "
              f"{report['args']['max_tokens']} tokens each, greedy, EOS ignored; "
              f"load average {env.get('load_average_1m', '?')} -> {env.get('load_average_1m_end', '?')} "
              f"on {env['cpu_count']} CPUs",
-             format_table(headers, rows),
-             f"greedy outputs identical with and without speculation: {agree['identical']}/{agree['total']}",
-             "ITL = gap between streamed chunks (a chunk can carry several tokens with speculation); "
-             "TPOT = (end-to-end - TTFT) / (tokens - 1)."]
-    failed = {n: s["errors"] for n, s in report["scenarios"].items() if s["num_failed"]}
+             format_table(headers, rows)]
+    for a in report["greedy_agreement"]:
+        lines.append(f"{a['concurrency']} clients: {a['server']} {a['name']} gave specserve's greedy outputs "
+                     f"without speculation for {a['identical']}/{a['total']} prompts")
+    lines.append("ITL = gap between streamed chunks (a chunk can carry several tokens with speculation); "
+                 "TPOT = (end-to-end - TTFT) / (tokens - 1).")
+    failed = {f"{s['server']} {s['name']} x{s['concurrency']}": s["errors"] for s in report["scenarios"]
+              if s["num_failed"]}
     if failed:
         lines.append(f"failed requests: {failed}")
     return "\n".join(lines)

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from specserve.bench.common import ServerProcess as BenchServerProcess
 
 STARTUP_TIMEOUT_S = 180  # model load on two busy cores
 
@@ -21,49 +20,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
+class ServerProcess(BenchServerProcess):
     """`python -m specserve.cli serve ...` in a subprocess; `url` is its base URL once /health answers."""
 
     def __init__(self, *args: str, env: dict | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="specserve-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(self.port), "--log-level", "warning",
-               *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
-        self._wait_healthy()
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"the server did not become healthy in {STARTUP_TIMEOUT_S} s:\n{self.log_text()}")
-
-    def log_text(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()
-
-    def stop(self, timeout: float = 30) -> int:
-        """SIGTERM, then SIGKILL if it has not exited after `timeout` seconds; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
+        super().__init__([sys.executable, "-m", "specserve.cli", "serve", "--log-level", "warning", *args],
+                         "--port", "specserve-server-", env={**os.environ, **(env or {})},
+                         startup_timeout_s=STARTUP_TIMEOUT_S)
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:

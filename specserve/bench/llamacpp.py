@@ -72,21 +72,21 @@ def generate_timed(llm, prompt: BenchPrompt, max_tokens: int, method: str):
 
 
 def llama_server_command(binary: str, model_file: str, slots: int, threads: int, slot_tokens: int,
-                         kv_cache_dtype: str) -> list[str]:
+                         kv_cache_dtype: str, extra: list[str] = ()) -> list[str]:
     """llama-server on `model_file` with `slots` sequences decoded together (continuous batching), each with
-    room for `slot_tokens`, on `threads` threads, the KV cache in LLAMA_KV_TYPES[kv_cache_dtype]; a quantized
-    V cache needs its flash attention, which is then on for every type."""
+    room for `slot_tokens`, on `threads` threads, the KV cache in LLAMA_KV_TYPES[kv_cache_dtype] (a quantized
+    V cache needs its flash attention, which is then on for every type), then the `extra` flags."""
     if kv_cache_dtype not in LLAMA_KV_TYPES:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(LLAMA_KV_TYPES)} for llama-server, "
                          f"got {kv_cache_dtype!r}")
     kv = LLAMA_KV_TYPES[kv_cache_dtype]
     return [binary, "--model", str(model_file), "--parallel", str(slots), "--cont-batching",
             "--ctx-size", str(slots * slot_tokens), "--threads", str(threads), "--threads-batch", str(threads),
-            "--cache-type-k", kv, "--cache-type-v", kv, "--flash-attn", "on", "--host", "127.0.0.1"]
+            "--cache-type-k", kv, "--cache-type-v", kv, "--flash-attn", "on", "--host", "127.0.0.1", *extra]
 
 
 def launch_llama_server(binary: str, model_file: str, slots: int, threads: int, slot_tokens: int,
-                        kv_cache_dtype: str, log) -> ServerProcess:
-    cmd = llama_server_command(binary, model_file, slots, threads, slot_tokens, kv_cache_dtype)
+                        kv_cache_dtype: str, extra: list[str], log) -> ServerProcess:
+    cmd = llama_server_command(binary, model_file, slots, threads, slot_tokens, kv_cache_dtype, extra)
     log(f"starting {' '.join(cmd)}")
     return ServerProcess(cmd, "--port", "llama-server-")

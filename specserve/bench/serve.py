@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -66,6 +67,9 @@ def add_parser(bench_sub) -> None:
                         "vendored sources, see the README) on the same GGUF file at each level N: -np N slots "
                         "with continuous batching, as many threads as specserve, the KV cache type of "
                         "--kv-cache-dtype (auto: f32, bfloat16: bf16, int8: q8_0), no prompt cache")
+    p.add_argument("--llama-server-args", default="",
+                   help="more llama-server flags, e.g. its speculative decoding: '--spec-draft-model "
+                        "DRAFT.gguf --spec-draft-n-max 16' or '--spec-type ngram-simple'")
     p.add_argument("--url", default=None, help="an already running server, e.g. http://127.0.0.1:8000 (it "
                                                "should have a speculative_config and prefix caching off)")
     p.add_argument("--api-key", default=None, help="bearer token for --url")
@@ -111,13 +115,15 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
         for n in levels:
             _log(f"benchmarking {url}: {len(prompts)} prompts, {n} clients, {args.max_tokens} tokens each")
             for name, extra in (("no_speculation", {"num_speculative_tokens": 0}), ("speculation", {})):
+                if name == "speculation" and speculation_off(args):
+                    continue
                 scenarios.append(run_level(url, args, prompts, n, SPECSERVE, name, extra))
             if args.llama_server:
                 with launch_llama_server(args.llama_server, model_file, n, env["torch_num_threads"],
                                          max(len(p) for p in prompts) + args.max_tokens + 16,
-                                         args.kv_cache_dtype, _log) as llama:
-                    scenarios.append(run_level(llama.url, args, prompts, n, LLAMA_SERVER, "plain",
-                                               {"cache_prompt": False}))
+                                         args.kv_cache_dtype, shlex.split(args.llama_server_args), _log) as llama:
+                    scenarios.append(run_level(llama.url, args, prompts, n, LLAMA_SERVER,
+                                               args.llama_server_args or "plain", {"cache_prompt": False}))
     finally:
         if server is not None:
             server.stop()
@@ -160,11 +166,17 @@ def _log(message: str) -> None:
 # ---------------------------------------------------------------- the server
 
 
+def speculation_off(args: argparse.Namespace) -> bool:
+    """--no-speculation (or --speculative-config none): the server without a drafter, no speculation runs."""
+    return bool(getattr(args, "no_speculation", False)) or args.speculative_config == "none"
+
+
 def launch_specserve(args: argparse.Namespace, max_concurrency: int) -> ServerProcess:
     """`specserve serve` on a free loopback port with the bench's engine arguments, prefix caching off."""
-    spec = args.speculative_config or DEFAULT_SPECULATIVE_CONFIG
+    spec = "none" if speculation_off(args) else args.speculative_config or DEFAULT_SPECULATIVE_CONFIG
     cmd = [sys.executable, "-m", "specserve.cli", "serve", "--log-level", "warning", "--no-prefix-caching",
-           "--max-num-seqs", str(max(args.max_num_seqs, max_concurrency)), "--speculative-config", json.dumps(spec)]
+           "--max-num-seqs", str(max(args.max_num_seqs, max_concurrency)),
+           "--speculative-config", spec if spec == "none" else json.dumps(spec)]
     for flag in ("model", "dtype", "gguf_compute", "kv_cache_dtype", "max_model_len", "max_num_batched_tokens",
                  "kv_cache_memory_bytes"):
         if getattr(args, flag, None) is not None:
@@ -183,7 +195,9 @@ async def run_scenario(url: str, args: argparse.Namespace, prompts: list, concur
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=concurrency + 1)
+    # a connection per request: a server that closes a kept-alive connection (llama-server's does after a few
+    # requests) would fail the request sent on it
+    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None, limits=limits) as client:
         await asyncio.gather(*(stream(client, -1, prompts[0], 4, extra) for _ in range(concurrency)))  # warm-up
         queue: asyncio.Queue = asyncio.Queue()
@@ -210,17 +224,23 @@ async def stream(client, index: int, prompt: str | list[int], max_tokens: int, e
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
     else:
         path, body["prompt"] = "/v1/completions", list(prompt)
+    import httpx
+
     record = RequestRecord(index)
     start = last = time.perf_counter()
-    async with client.stream("POST", path, json=body) as response:
-        if response.status_code != 200:
-            record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
-            return record
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            _absorb(record, json.loads(line[len("data: "):]), start, last)
-            last = time.perf_counter() if record.text else last
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                _absorb(record, json.loads(line[len("data: "):]), start, last)
+                last = time.perf_counter() if record.text else last
+    except httpx.TransportError as e:  # the run goes on, the request counted as failed
+        record.error = f"{type(e).__name__}: {e}"
+        return record
     record.e2e_s = time.perf_counter() - start
     return record
 

@@ -69,6 +69,8 @@ def test_llama_server_command_matches_the_kv_type_and_slots():
     for dtype, kv in (("auto", "f32"), ("int8", "q8_0")):
         got = flags(llama_server_command("s", "m.gguf", 1, 2, 64, dtype))
         assert got["--cache-type-k"] == got["--cache-type-v"] == kv
+    assert llama_server_command("s", "m.gguf", 1, 2, 64, "auto", ["--spec-type", "ngram-simple"])[-2:] == [
+        "--spec-type", "ngram-simple"]
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         llama_server_command("s", "m.gguf", 1, 2, 64, "fp8")
 
@@ -117,3 +119,14 @@ def test_streaming_client_against_a_server_process(tmp_path):
     assert result["num_requests"] == 3 and result["num_failed"] == 0 and result["num_output_tokens"] == 15
     assert [r["text"] for r in result["requests"]] == ["".join(f"<{p[0]}:{i}>" for i in range(5)) for p in prompts]
     assert all(len(r["chunk_gaps_s"]) == 4 and r["ttft_s"] > 0 for r in result["requests"])
+
+
+def test_a_dropped_connection_is_a_failed_request_not_a_failed_run(tmp_path):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    with ServerProcess([sys.executable, str(script)], "--port", "stand-in-") as server:
+        url = server.url
+    # the server is gone: every request fails with a transport error, and the level still reports
+    result = run_level(url, Namespace(api_key=None, max_tokens=3), [[1], [2]], 2, LLAMA_SERVER, "plain", {})
+    assert result["num_failed"] == 2 and result["output_tokens_per_s"] == 0
+    assert all(e.startswith("ConnectError") for e in result["errors"])

@@ -30,7 +30,7 @@ def add_engine_args(p: argparse.ArgumentParser, speculation_flags: bool = True,
                         "fp32 activations (bitwise the dequantized model)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
                    help="how the KV cache stores keys and values: auto (the model's dtype, fp32: exact), bfloat16 "
-                        "(2x the tokens in the same memory) or int8 with a scale per 32 numbers (~3.6x)")
+                        "(2x the tokens in the same memory) or int8 with a scale per 16 numbers (3.2x)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's own limit, capped to what the KV cache "
                         "holds, with a warning)")

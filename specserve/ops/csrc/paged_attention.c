@@ -17,7 +17,7 @@
  *   k cache      [num_blocks, num_kv_heads, row, block_size]: each block's keys transposed, so the
  *                16 keys of a block are one vector per dimension (see partial_tile_vec, pass 1)
  *   v cache      [num_blocks, block_size, num_kv_heads, row]
- *                (row = head_dim, or for int8 head_dim + 4 per 32 numbers: the numbers, then their
+ *                (row = head_dim, or for int8 head_dim + 4 per 16 numbers: the numbers, then their
  *                scales' bytes)
  *   block_table  [num_seqs, table_width] int64
  *   query_start, query_len, context_len  [num_seqs] int64

@@ -1,7 +1,7 @@
 """`specserve bench serve`: N concurrent streaming clients over Spec-Bench prompts against the OpenAI-compatible
 server, with speculation on and off (per request), at one or more levels of N, reporting throughput, TTFT, TPOT
 and inter-chunk latency percentiles; with --llama-server, llama.cpp's server on the same GGUF file and the same
-prompt token ids beside it (specserve.bench.llamacpp.LlamaServer).
+prompt token ids beside it (specserve.bench.llamacpp.launch_llama_server).
 """
 from __future__ import annotations
 
@@ -103,11 +103,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     levels = parse_levels(args.concurrency)
     rows = select_spread(read_specbench(args.dataset), args.num_prompts)
     env = environment_info()
-    model_file = prompts = None
-    if args.llama_server:
-        model_file, prompts = llama_server_inputs(args, rows)
-    else:
-        prompts = [row["turns"][0] for row in rows]
+    model_file, prompts = llama_server_inputs(args, rows) if args.llama_server else (None, [r["turns"][0] for r in rows])
     server = None if args.url else launch_specserve(args, max(levels))
     url = args.url or server.url
     scenarios = []

@@ -103,7 +103,8 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     levels = parse_levels(args.concurrency)
     rows = select_spread(read_specbench(args.dataset), args.num_prompts)
     env = environment_info()
-    model_file, prompts = llama_server_inputs(args, rows) if args.llama_server else (None, [r["turns"][0] for r in rows])
+    questions = [row["turns"][0] for row in rows]
+    model_file, prompts = llama_server_inputs(args, rows) if args.llama_server else (None, questions)
     server = None if args.url else launch_specserve(args, max(levels))
     url = args.url or server.url
     scenarios = []

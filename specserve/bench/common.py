@@ -317,15 +317,20 @@ def teacher_forced_logits(model, tokens):
         return model.compute_logits(hidden)
 
 
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class ServerProcess:
     """An HTTP server command in a subprocess on a free loopback port (`port_flag PORT` appended), its output in
     a temporary log file; `url` is its base URL once GET /health answers 200. A context manager that stops it."""
 
     def __init__(self, cmd: list[str], port_flag: str = "--port", log_prefix: str = "server-",
                  env: dict | None = None, startup_timeout_s: float = 300) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=log_prefix, suffix=".log", delete=False)
         self.proc = subprocess.Popen([*cmd, port_flag, str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
@@ -346,9 +351,9 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
+        log = self.log_text()  # before stop() closes the log file
         self.stop()
-        raise RuntimeError(f"the server was not healthy after {timeout_s:.0f} s ({self.log.name}):\n"
-                           f"{self.log_text()[-4000:]}")
+        raise RuntimeError(f"the server was not healthy after {timeout_s:.0f} s ({self.log.name}):\n{log[-4000:]}")
 
     def log_text(self) -> str:
         self.log.flush()

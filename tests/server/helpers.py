@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 
@@ -12,12 +11,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from specserve.bench.common import ServerProcess as BenchServerProcess
 
 STARTUP_TIMEOUT_S = 180  # model load on two busy cores
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess(BenchServerProcess):

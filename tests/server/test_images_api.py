@@ -17,11 +17,11 @@ import pytest
 import uvicorn
 from PIL import Image
 
+from specserve.bench.common import free_port
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 from specserve.server.api_server import add_serve_parser, build_app_from_args
 from tests.multimodal.tiny_vl import save_tiny_vl, tiny_vl
-from tests.server.helpers import free_port
 from tests.tiny_models import tiny_hf_model
 
 MAX_MODEL_LEN = 256
